@@ -1,0 +1,26 @@
+"""gradcomp: gradient compression for data-parallel PyTorch training.
+
+Example:
+    >>> import gradcomp
+    >>> c = gradcomp.get_compressor("int8")
+    >>> g = c.decompress(c.compress(grad))
+    >>> gradcomp.all_reduce(grad, c)             # like dist.all_reduce, averaged, in place
+    >>> gradcomp.ddp.register(ddp_model, "topk", ratio=0.01)
+"""
+
+from gradcomp import ops
+from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
+from gradcomp.feedback import ErrorFeedback
+from gradcomp.payload import Payload
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMPRESSORS",
+    "Compressor",
+    "Context",
+    "ErrorFeedback",
+    "Payload",
+    "get_compressor",
+    "ops",
+]

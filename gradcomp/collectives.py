@@ -1,0 +1,506 @@
+"""Compressed all-reduce over torch.distributed.
+
+``all_reduce(tensor, compressor)`` mirrors ``torch.distributed.all_reduce``:
+in place, ``op`` "avg" or "sum", ``async_op`` returning a handle. The
+algorithm follows from the compressor's facts (DESIGN.md):
+
+* ``dense``: all-reduce the payload itself (summable compressors);
+* ``allgather``: gather every rank's payload, decode and add;
+* ``two_phase``: all-to-all of compressed chunks (reduce-scatter), decode and
+  sum the own chunk, recompress it with its own residual, all-gather.
+
+Ordering. Every collective of gradcomp on a process group runs on one worker
+thread per group, in submission order, over a private clone of the group.
+Callers (DDP bucket hooks, user code) submit in the same order on every rank,
+so the collectives match across ranks even though the multi-step algorithms
+issue their later steps after earlier ones finish. A ``Future.then`` chain
+cannot promise that: callbacks run in completion order, which differs
+between ranks. The clone keeps these collectives apart from whatever the
+caller's thread issues on the group meanwhile.
+
+Agreement. The first time a (compressor settings, numel, dtype, algorithm,
+op) combination meets a group, the ranks compare fingerprints; a rank with
+different settings makes every rank raise ``ValueError`` instead of hanging
+or decoding garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.compressors import Compressor, Context, get_compressor, mix_seed
+from gradcomp.feedback import ErrorFeedback
+from gradcomp.payload import Payload, buffer_size
+
+ALGORITHMS = ("dense", "allgather", "two_phase")
+_OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class ReduceStats:
+    """What one compressed all-reduce cost and how exact it was (this rank).
+
+    Attributes:
+        bytes_sent: bytes this rank handed to collectives (payload buffers;
+            chunks it keeps for itself are not counted).
+        dense_bytes: bytes a dense all-reduce would hand over (numel * itemsize).
+        compress_seconds: wall time spent compressing and decoding.
+        error_sq, input_sq: squared norms of (decoded - input) and of the
+            input (input + residual), summed; NaN when not measured.
+        algorithm: the algorithm that ran.
+    """
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    compress_seconds: float = 0.0
+    error_sq: float = math.nan
+    input_sq: float = math.nan
+    algorithm: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(self.error_sq / self.input_sq) if self.input_sq > 0 else 0.0
+
+
+class Work:
+    """Handle of an asynchronous :func:`all_reduce`, like ``dist.Work``."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def wait(self) -> bool:
+        """Block until done; re-raises the collective's error."""
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        """Future holding the :class:`ReduceStats` of the call."""
+        return self._future
+
+
+# ----------------------------------------------------------------------------- ordered queue
+
+
+class CollectiveQueue:
+    """One worker thread that runs a group's gradcomp collectives in FIFO order.
+
+    ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error).
+    CUDA work runs on the submitting thread's current stream, so it is
+    ordered after whatever produced the tensor.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        ranks = dist.get_process_group_ranks(group)
+        # A private clone: collectives issued meanwhile on `group` by the
+        # caller's thread cannot interleave with ours.
+        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.verified: set[tuple] = set()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object], device: torch.device) -> torch.futures.Future:
+        devices = [device] if device.type == "cuda" else None
+        future = torch.futures.Future(devices=devices)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._jobs.put((fn, future, stream))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            fn, future, stream = self._jobs.get()
+            try:
+                if stream is None:
+                    result = fn()
+                else:
+                    with torch.cuda.stream(stream):
+                        result = fn()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(error)
+                continue
+            if stream is None:
+                future.set_result(result)
+            else:
+                with torch.cuda.stream(stream):
+                    future.set_result(result)
+
+
+_QUEUES: dict[object, CollectiveQueue] = {}
+_QUEUES_LOCK = threading.Lock()
+
+
+def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
+    """The collective queue of ``group`` (WORLD when None), created on first use.
+
+    Creating it is a collective: every rank of the group must reach the first
+    gradcomp collective on it, as with any collective.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")
+    group = group or dist.group.WORLD
+    with _QUEUES_LOCK:
+        existing = _QUEUES.get(group)
+        if existing is None:
+            existing = _QUEUES[group] = CollectiveQueue(group)
+        return existing
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def resolve_op(op) -> str:
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    if isinstance(op, str) and op.lower() in _OPS:
+        return _OPS[op.lower()]
+    raise ValueError(f"op must be 'avg' or 'sum' (or dist.ReduceOp.AVG / SUM), got {op!r}")
+
+
+def default_algorithm(compressor: Compressor) -> str:
+    """``dense`` for summable payloads, ``allgather`` for sparse or variable-size
+    ones, ``two_phase`` otherwise."""
+    if compressor.summable:
+        return "dense"
+    if compressor.sparse or not compressor.fixed_size:
+        return "allgather"
+    return "two_phase"
+
+
+def check_algorithm(compressor: Compressor, algorithm: str | None) -> str:
+    algorithm = algorithm or default_algorithm(compressor)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "dense" and not compressor.summable:
+        raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
+    if algorithm == "two_phase" and (compressor.sparse or not compressor.fixed_size):
+        raise ValueError(
+            f"algorithm 'two_phase' needs a dense, fixed-size payload (quantizers, sign, casts); "
+            f"{compressor.name!r} is sparse: use 'allgather'{' or dense' if compressor.summable else ''}"
+        )
+    return algorithm
+
+
+def key_of(name: Hashable) -> int:
+    """A stable integer for a residual/random-stream name (same on every rank)."""
+    if isinstance(name, int):
+        return name
+    return zlib.crc32(repr(name).encode())
+
+
+def chunk_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``numel``, each a multiple of ``align``
+    long except the last non-empty one; trailing ranges may be empty."""
+    chunk = math.ceil(math.ceil(numel / align) / parts) * align
+    return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(parts)]
+
+
+def _fingerprint(compressor: Compressor, tensor: torch.Tensor, algorithm: str, op: str) -> tuple:
+    settings = repr(sorted(compressor.settings().items()))
+    return (settings, tensor.numel(), str(tensor.dtype), algorithm, op)
+
+
+def verify_agreement(q: CollectiveQueue, fingerprint: tuple) -> None:
+    """Raise ValueError on every rank if ranks disagree on ``fingerprint``."""
+    if q.world_size == 1 or fingerprint in q.verified:
+        return
+    digest = zlib.crc32(repr(fingerprint).encode())
+    mine = torch.tensor([digest], dtype=torch.int64)
+    everyone = torch.empty(q.world_size, dtype=torch.int64)
+    _all_gather(everyone, mine, q.group)
+    if bool((everyone != digest).any()):
+        described = [None] * q.world_size
+        dist.all_gather_object(described, fingerprint, group=q.group)
+        lines = "\n".join(
+            f"  rank {r}: compressor {d[0]}, numel {d[1]}, dtype {d[2]}, algorithm {d[3]}, op {d[4]}"
+            for r, d in enumerate(described)
+        )
+        raise ValueError(f"ranks disagree on the compressed all-reduce settings:\n{lines}")
+    q.verified.add(fingerprint)
+
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+@dataclasses.dataclass
+class Job:
+    """One compressed all-reduce, fully described (run by :func:`run_job`)."""
+
+    tensor: torch.Tensor
+    compressor: Compressor
+    op: str
+    algorithm: str
+    memory: ErrorFeedback | None
+    key: int
+    step: int
+    measure_error: bool = True
+
+
+class _Timer:
+    def __init__(self, stats: ReduceStats):
+        self.stats = stats
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.stats.compress_seconds += time.perf_counter() - self.start
+
+
+def _compress_measured(
+    job: Job, flat: torch.Tensor, residual: torch.Tensor | None, key: int, rank: int, stats: ReduceStats
+) -> Payload:
+    """Compress ``flat`` (with ``residual``), adding time and error to ``stats``."""
+    with _Timer(stats):
+        reference_sq = None
+        if job.measure_error and residual is not None:
+            reference_sq = float((flat.float() + residual.float()).square().sum())
+        payload = job.compressor.compress(flat, Context(residual, job.step, key, rank))
+        if job.measure_error:
+            if residual is not None:
+                error_sq = float(residual.float().square().sum())
+            else:
+                decoded = job.compressor.decompress(payload).view(-1).float()
+                error_sq = float((decoded - flat.float()).square().sum())
+                reference_sq = float(flat.float().square().sum())
+            stats.error_sq = (0.0 if math.isnan(stats.error_sq) else stats.error_sq) + error_sq
+            stats.input_sq = (0.0 if math.isnan(stats.input_sq) else stats.input_sq) + reference_sq
+    return payload
+
+
+def _residual(job: Job, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
+    if job.memory is None or not job.compressor.needs_feedback:
+        return None
+    return job.memory.residual(name, like)
+
+
+def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
+    """Run ``job`` on ``q``'s group, blocking; called on the queue's worker thread."""
+    tensor = job.tensor
+    stats = ReduceStats(dense_bytes=tensor.numel() * tensor.element_size(), algorithm=job.algorithm)
+    if tensor.numel() == 0:
+        return stats
+    verify_agreement(q, _fingerprint(job.compressor, tensor, job.algorithm, job.op))
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.view(-1)
+    if q.world_size == 1:
+        _local(job, flat, stats)
+    elif job.algorithm == "dense":
+        _dense(job, flat, q, stats)
+    elif job.algorithm == "allgather":
+        _allgather(job, flat, q, stats)
+    else:
+        _two_phase(job, flat, q, stats)
+    if work is not tensor:
+        tensor.copy_(work)
+    return stats
+
+
+def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
+    payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, 0, stats)
+    with _Timer(stats):
+        job.compressor.decompress(payload, out=flat)
+
+
+def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    # Divide before the reduction (not after) so 16-bit sums cannot overflow.
+    source = flat / q.world_size if job.op == "avg" else flat
+    payload = _compress_measured(job, source, _residual(job, job.key, flat), job.key, q.rank, stats)
+    for wire in payload.tensors.values():
+        dist.all_reduce(wire, group=q.group)
+        stats.bytes_sent += wire.numel() * wire.element_size()
+    with _Timer(stats):
+        job.compressor.decompress(payload, out=flat)
+
+
+def _decode_sum(
+    compressor: Compressor,
+    buffers: list[torch.Tensor],
+    metas: list[dict[str, int]],
+    numel: int,
+    dtype: torch.dtype,
+    op: str,
+) -> torch.Tensor:
+    """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same bits), in fp32."""
+    total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device)
+    for buffer, meta in zip(buffers, metas):
+        layout = compressor.payload_layout(numel, dtype, meta)
+        payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
+        compressor.decompress(payload, out=total, accumulate=True)
+    if op == "avg":
+        total /= len(buffers)
+    return total
+
+
+def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, q.rank, stats)
+    size = buffer_size(payload.layout())
+    meta_keys = sorted(payload.meta)
+    if job.compressor.fixed_size:
+        sizes, metas = [size] * q.world_size, [payload.meta] * q.world_size
+    else:
+        # Variable-size payloads: every rank learns every rank's size and meta first.
+        mine = torch.tensor([size] + [payload.meta[k] for k in meta_keys], dtype=torch.int64)
+        everyone = torch.empty(q.world_size * mine.numel(), dtype=torch.int64)
+        _all_gather(everyone, mine.to(flat.device), q.group)
+        rows = everyone.view(q.world_size, -1).tolist()
+        sizes = [row[0] for row in rows]
+        metas = [dict(zip(meta_keys, row[1:])) for row in rows]
+    width = max(sizes)
+    gathered = torch.empty(q.world_size * width, dtype=torch.uint8, device=flat.device)
+    _all_gather(gathered, payload.to_buffer(width), q.group)
+    stats.bytes_sent += size
+    with _Timer(stats):
+        buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
+        total = _decode_sum(job.compressor, buffers, metas, flat.numel(), flat.dtype, job.op)
+        flat.copy_(total)
+
+
+def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    compressor, world, rank = job.compressor, q.world_size, q.rank
+    bounds = chunk_bounds(flat.numel(), world, getattr(compressor, "block", 1))
+    residual = _residual(job, job.key, flat)
+    # Phase 1: compress every chunk (with its slice of the residual) and
+    # exchange them so that rank j receives everyone's chunk j.
+    buffers = []
+    for j, (start, end) in enumerate(bounds):
+        chunk_residual = None if residual is None else residual[start:end]
+        payload = _compress_measured(job, flat[start:end], chunk_residual, mix_seed(job.key, j), rank, stats)
+        buffers.append(payload.to_buffer())
+    in_splits = [b.numel() for b in buffers]
+    mine = in_splits[rank]
+    received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
+    dist.all_to_all_single(received, torch.cat(buffers), [mine] * world, in_splits, group=q.group)
+    stats.bytes_sent += sum(in_splits) - mine
+    # Phase 2: sum the own chunk, recompress it with its own residual, gather all chunks.
+    start, end = bounds[rank]
+    own_numel = end - start
+    with _Timer(stats):
+        pieces = [received[r * mine : (r + 1) * mine] for r in range(world)]
+        metas = [{}] * world
+        reduced = _decode_sum(compressor, pieces, metas, own_numel, flat.dtype, job.op).to(flat.dtype)
+    server_residual = _residual(job, ("two_phase", job.key), reduced)
+    server_ctx = Context(server_residual, job.step, mix_seed(job.key, world + rank), rank)
+    with _Timer(stats):
+        own = compressor.compress(reduced, server_ctx).to_buffer()
+    sizes = [buffer_size(compressor.payload_layout(e - s, flat.dtype, {})) for s, e in bounds]
+    width = max(sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=flat.device)
+    padded[: own.numel()] = own
+    gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
+    _all_gather(gathered, padded, q.group)
+    stats.bytes_sent += own.numel()
+    with _Timer(stats):
+        for j, (start, end) in enumerate(bounds):
+            layout = compressor.payload_layout(end - start, flat.dtype, {})
+            payload = Payload.from_buffer(
+                gathered[j * width : (j + 1) * width], layout, torch.Size([end - start]), flat.dtype
+            )
+            compressor.decompress(payload, out=flat[start:end])
+
+
+# ----------------------------------------------------------------------------- public API
+
+# Residuals and call counters of all_reduce calls that pass no ErrorFeedback.
+_DEFAULT_MEMORY: dict[int, tuple[Compressor, ErrorFeedback, dict]] = {}
+
+
+def _default_memory(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
+    entry = _DEFAULT_MEMORY.get(id(compressor))
+    if entry is None or entry[0] is not compressor:
+        entry = _DEFAULT_MEMORY[id(compressor)] = (compressor, ErrorFeedback(), {})
+    return entry[1], entry[2]
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor | str,
+    group: dist.ProcessGroup | None = None,
+    op="avg",
+    async_op: bool = False,
+    *,
+    algorithm: str | None = None,
+    feedback: ErrorFeedback | bool | None = None,
+    name: Hashable | None = None,
+    step: int | None = None,
+):
+    """Compressed, in-place all-reduce of ``tensor`` across ``group``.
+
+    Args:
+        tensor: floating tensor (fp32, fp16, bf16, fp64), same shape on every rank.
+        compressor: a :class:`Compressor` or a name for :func:`get_compressor`.
+        group: process group (default WORLD).
+        op: ``"avg"`` (default, what gradients need) or ``"sum"``.
+        async_op: return a :class:`Work` at once instead of waiting.
+        algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default
+            from the compressor (:func:`default_algorithm`).
+        feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
+            for none, or None for the compressor's default (a memory kept per
+            compressor object).
+        name: residual and random-stream key; give distinct names to distinct
+            tensors of one shape (default: the tensor's shape and dtype).
+        step: step number for random streams (default: a per-name call counter).
+
+    Returns:
+        ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
+        future holds them.
+
+    Example:
+        >>> c = gradcomp.get_compressor("int8")
+        >>> for p in model.parameters():
+        ...     gradcomp.all_reduce(p.grad, c, name=p_name)
+    """
+    compressor = get_compressor(compressor)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    from gradcomp.compressors.base import check_tensor
+
+    check_tensor(tensor)
+    op = resolve_op(op)
+    algorithm = check_algorithm(compressor, algorithm)
+    memory, counters = _default_memory(compressor)
+    if feedback is False:
+        memory = None
+    elif isinstance(feedback, ErrorFeedback):
+        memory = feedback
+    elif feedback not in (None, True):
+        raise TypeError(f"feedback must be an ErrorFeedback, True, False or None, got {feedback!r}")
+    name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
+    if step is None:
+        step = counters.get(name, 0)
+        counters[name] = step + 1
+    q = queue_for(group)
+    job = Job(tensor, compressor, op, algorithm, memory, key_of(name), step)
+    future = q.submit(lambda: run_job(job, q), tensor.device)
+    if async_op:
+        return Work(future)
+    return future.wait()

@@ -1,0 +1,179 @@
+"""Compressor base class and the per-call context."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import ClassVar
+
+import torch
+
+from gradcomp.payload import Layout, Payload
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MASK64 = 2**64 - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers into one 63-bit seed (splitmix64 rounds): equal parts,
+    equal seed on every rank and every run."""
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (int(part) & _MASK64)) & _MASK64
+        state = (state * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state & (2**63 - 1)
+
+
+@dataclasses.dataclass
+class Context:
+    """What one ``compress`` call needs besides the tensor.
+
+    Attributes:
+        residual: error-feedback memory for this tensor (flat, same numel),
+            updated in place; None for no feedback.
+        step: training step; varies the random streams from step to step.
+        key: integer naming the tensor (bucket index, chunk); varies streams
+            between tensors of one step.
+        rank: this process's rank; stochastic rounding differs per rank,
+            while shared-seed selections (random-K) ignore it.
+    """
+
+    residual: torch.Tensor | None = None
+    step: int = 0
+    key: int = 0
+    rank: int = 0
+
+
+class Compressor:
+    """Base class: ``compress(tensor, ctx) -> Payload``, ``decompress(payload) -> Tensor``.
+
+    Class facts the collectives read:
+        summable: payloads of all ranks add up without decoding (dense all-reduce).
+        sparse: payload is much smaller than dense; gathering is best.
+        fixed_size: payload size depends only on numel, dtype and settings.
+
+    Args (common to every compressor):
+        feedback: error feedback on or off; None picks the compressor's
+            default (on for biased compressors).
+        seed: base seed of every random stream the compressor uses.
+    """
+
+    name: ClassVar[str] = ""
+    summable: ClassVar[bool] = False
+    sparse: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
+
+    def __init__(self, *, feedback: bool | None = None, seed: int = 0):
+        if feedback is not None and not isinstance(feedback, bool):
+            raise TypeError(f"feedback must be True, False or None, got {feedback!r}")
+        self.feedback = feedback
+        self.seed = int(seed)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def unbiased(self) -> bool:
+        """E[decompress(compress(x))] == x."""
+        return False
+
+    @property
+    def default_feedback(self) -> bool:
+        return not self.unbiased
+
+    @property
+    def needs_feedback(self) -> bool:
+        """Whether callers should keep a residual for this compressor."""
+        return self.default_feedback if self.feedback is None else self.feedback
+
+    def settings(self) -> dict:
+        """Every option that changes the bytes on the wire; ranks must agree on it."""
+        options = {
+            name: getattr(self, name)
+            for name in inspect.signature(type(self).__init__).parameters
+            if name not in ("self", "feedback")
+        }
+        return {"name": self.name, "feedback": self.needs_feedback, **options}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.settings().items() if k != "name")
+        return f"{type(self).__name__}({options})"
+
+    # ------------------------------------------------------------------ API
+    def compress(self, tensor: torch.Tensor, ctx: Context | None = None) -> Payload:
+        """Encode ``tensor`` (any shape; fp32, fp16, bf16 or fp64).
+
+        With ``ctx.residual`` the residual is added first and replaced by what
+        this payload does not carry.
+        """
+        check_tensor(tensor)
+        ctx = ctx or Context()
+        if ctx.residual is not None and ctx.residual.numel() != tensor.numel():
+            raise ValueError(
+                f"residual has {ctx.residual.numel()} elements, tensor has {tensor.numel()}"
+            )
+        tensors, meta = self._encode(tensor.reshape(-1), ctx)
+        return Payload(tensors, tensor.shape, tensor.dtype, meta)
+
+    def decompress(
+        self, payload: Payload, out: torch.Tensor | None = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        """Decode ``payload`` into a tensor of its shape and dtype.
+
+        Args:
+            out: write into this tensor (same numel) instead of a new one.
+            accumulate: add into ``out`` instead of overwriting it.
+        """
+        if accumulate and out is None:
+            raise ValueError("accumulate=True needs out=")
+        if out is not None and out.numel() != payload.numel:
+            raise ValueError(f"out has {out.numel()} elements, payload encodes {payload.numel}")
+        if out is None:
+            decoded = self._decode(payload, None, False)
+            return decoded.to(payload.dtype).view(payload.shape)
+        self._decode(payload, out.view(-1), accumulate)
+        return out
+
+    def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
+        """The layout of a payload for ``numel`` elements (``meta`` as the payload's)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ subclasses
+    def _encode(self, flat: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        raise NotImplementedError
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _private_seed(self, ctx: Context) -> int:
+        return mix_seed(self.seed, ctx.step, ctx.key, ctx.rank + 1)
+
+    def _shared_seed(self, ctx: Context) -> int:
+        return mix_seed(self.seed, ctx.step, ctx.key)
+
+
+def check_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"gradcomp compresses floating tensors (float32, float16, bfloat16, float64), got {tensor.dtype}"
+        )
+    if tensor.is_sparse:
+        raise TypeError("sparse tensors are not supported; pass a dense gradient")
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def resolve_k(numel: int, ratio: float | None, k: int | None) -> int:
+    """The number of elements to keep of ``numel``: ``k`` or ``max(1, round(ratio * numel))``."""
+    if numel == 0:
+        raise ValueError("cannot select elements of an empty tensor")
+    if k is not None:
+        if k > numel:
+            raise ValueError(f"k={k} is larger than the tensor's {numel} elements")
+        return k
+    return max(1, min(numel, round(ratio * numel)))

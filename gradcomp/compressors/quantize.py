@@ -1,0 +1,130 @@
+"""Blockwise linear quantization (int8 / int4 / int2) and QSGD."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp import ops
+from gradcomp.compressors.base import Compressor, Context, check_positive_int
+from gradcomp.payload import Layout, Payload
+
+
+class BlockQuantizer(Compressor):
+    """Linear quantization with one fp32 absmax scale per block.
+
+    Each element becomes a signed level in ``[-L, L]``, ``L = 2**(bits-1) - 1``,
+    packed ``bits`` wide (int4: two a byte, int2: four a byte).
+
+    Args:
+        block: elements sharing one scale (default 256: 1.6% overhead at 8 bits).
+        stochastic: stochastic rounding (unbiased; no error feedback by
+            default) instead of round-to-nearest (biased; feedback on).
+        feedback, seed: see :class:`Compressor`.
+
+    Example:
+        >>> c = gradcomp.get_compressor("int4", block=128, stochastic=True)
+        >>> g = c.decompress(c.compress(grad))
+    """
+
+    bits: int = 8
+    scale_mode = "absmax"
+
+    def __init__(
+        self, *, block: int = 256, stochastic: bool = False, feedback: bool | None = None, seed: int = 0
+    ):
+        super().__init__(feedback=feedback, seed=seed)
+        self.block = check_positive_int("block", block)
+        if not isinstance(stochastic, bool):
+            raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+        self.stochastic = stochastic
+
+    @property
+    def levels(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def unbiased(self) -> bool:
+        return self.stochastic
+
+    def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
+        return [
+            ("scales", torch.float32, math.ceil(numel / self.block)),
+            ("codes", torch.uint8, math.ceil(numel * self.bits / 8)),
+        ]
+
+    def _encode(self, flat: torch.Tensor, ctx: Context):
+        codes, scales = ops.quantize_blockwise(
+            flat,
+            self.bits,
+            self.block,
+            self.stochastic,
+            self._private_seed(ctx),
+            ctx.residual,
+            levels=self.levels,
+            scale=self.scale_mode,
+        )
+        return {"scales": scales, "codes": codes}, {}
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        return ops.dequantize_blockwise(
+            payload.tensors["codes"],
+            payload.tensors["scales"],
+            self.bits,
+            self.block,
+            payload.numel,
+            out,
+            accumulate,
+            levels=self.levels,
+        )
+
+
+class Int8(BlockQuantizer):
+    """8-bit blockwise quantization (levels -127..127)."""
+
+    name = "int8"
+    bits = 8
+
+
+class Int4(BlockQuantizer):
+    """4-bit blockwise quantization (levels -7..7, two codes a byte)."""
+
+    name = "int4"
+    bits = 4
+
+
+class Int2(BlockQuantizer):
+    """2-bit blockwise quantization (levels -1, 0, 1, four codes a byte)."""
+
+    name = "int2"
+    bits = 2
+
+
+class QSGD(BlockQuantizer):
+    """QSGD: norm-scaled stochastic quantization to ``levels`` levels (unbiased).
+
+    Each block of ``block`` elements is scaled by its L2 norm; an element
+    ``y`` is sent as ``norm / levels * l`` with integer ``l`` drawn so that
+    ``E[l] = levels * y / norm``.
+
+    Args:
+        levels: number of positive levels ``s`` (1 .. 127); codes take
+            ``ceil(log2(2 s + 1))`` bits rounded up to 1, 2, 4 or 8.
+        block: elements sharing one norm (default 256).
+    """
+
+    name = "qsgd"
+    scale_mode = "norm"
+
+    def __init__(self, *, levels: int = 7, block: int = 256, feedback: bool | None = None, seed: int = 0):
+        super().__init__(block=block, stochastic=True, feedback=feedback, seed=seed)
+        check_positive_int("levels", levels)
+        if levels > 127:
+            raise ValueError(f"levels must be at most 127, got {levels}")
+        self._levels = levels
+        self.bits = ops.code_bits(levels)
+
+    @property
+    def levels(self) -> int:
+        return self._levels

@@ -1,0 +1,151 @@
+"""Sparsification: Top-K by magnitude and random-K with a shared seed."""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp import ops
+from gradcomp.compressors.base import Compressor, Context, resolve_k
+from gradcomp.ops import reference
+from gradcomp.payload import Layout, Payload
+
+INDEX_DTYPES = {"auto": None, "int32": torch.int32, "int64": torch.int64}
+
+
+def _check_ratio_k(ratio, k) -> tuple[float | None, int | None]:
+    if k is not None:
+        if ratio is not None:
+            raise ValueError("give ratio or k, not both")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        return None, k
+    ratio = 0.01 if ratio is None else ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+    return float(ratio), None
+
+
+def _decode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, out, accumulate):
+    if out is None:
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    elif not accumulate:
+        out.zero_()
+    return ops.scatter_add(indices, values, out)
+
+
+class TopK(Compressor):
+    """Keeps the ``k`` largest-magnitude elements: values plus indices.
+
+    Args:
+        ratio: fraction of elements kept (default 0.01), or
+        k: number kept (give one of the two).
+        exact: exactly ``k`` elements by a true top-k. The default estimates
+            the k-th magnitude from a sample and keeps between 0.9 k and 1.1 k.
+        index_dtype: ``"auto"`` (int32 below 2**31 elements, else int64),
+            ``"int32"`` or ``"int64"``.
+
+    Example:
+        >>> c = gradcomp.get_compressor("topk", ratio=0.01)
+        >>> p = c.compress(grad); p.meta["k"]
+    """
+
+    name = "topk"
+    sparse = True
+
+    def __init__(
+        self,
+        *,
+        ratio: float | None = None,
+        k: int | None = None,
+        exact: bool = False,
+        index_dtype: str = "auto",
+        feedback: bool | None = None,
+        seed: int = 0,
+    ):
+        super().__init__(feedback=feedback, seed=seed)
+        self.ratio, self.k = _check_ratio_k(ratio, k)
+        if index_dtype not in INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {list(INDEX_DTYPES)}, got {index_dtype!r}")
+        self.exact = bool(exact)
+        self.index_dtype = index_dtype
+
+    @property
+    def fixed_size(self) -> bool:  # type: ignore[override]
+        return self.exact
+
+    def _index_dtype(self, numel: int) -> torch.dtype:
+        return INDEX_DTYPES[self.index_dtype] or ops.index_dtype_for(numel)
+
+    def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
+        k = meta["k"]
+        return [("indices", self._index_dtype(numel), k), ("values", dtype, k)]
+
+    def _encode(self, flat: torch.Tensor, ctx: Context):
+        k = resolve_k(flat.numel(), self.ratio, self.k)
+        values, indices = ops.topk_select(
+            flat,
+            k,
+            ctx.residual,
+            self.exact,
+            seed=self._private_seed(ctx),
+            index_dtype=self._index_dtype(flat.numel()),
+        )
+        return {"indices": indices, "values": values.to(flat.dtype)}, {"k": values.numel()}
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        return _decode_sparse(
+            payload.tensors["indices"], payload.tensors["values"], payload.numel, out, accumulate
+        )
+
+
+class RandK(Compressor):
+    """Keeps ``k`` elements chosen by a seed that every rank shares.
+
+    Only the values travel; indices follow from ``(seed, step, key)``, so the
+    payloads of all ranks add up with a plain all-reduce (summable).
+
+    Args:
+        ratio / k: as for :class:`TopK`.
+        rescale: multiply values by ``numel / k`` (unbiased; feedback off by
+            default). Without it random-K is biased and feedback is on.
+
+    Example:
+        >>> c = gradcomp.get_compressor("randk", ratio=0.01)
+    """
+
+    name = "randk"
+    summable = True
+    sparse = True
+
+    def __init__(
+        self,
+        *,
+        ratio: float | None = None,
+        k: int | None = None,
+        rescale: bool = False,
+        feedback: bool | None = None,
+        seed: int = 0,
+    ):
+        super().__init__(feedback=feedback, seed=seed)
+        self.ratio, self.k = _check_ratio_k(ratio, k)
+        self.rescale = bool(rescale)
+
+    @property
+    def unbiased(self) -> bool:
+        return self.rescale
+
+    def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
+        return [("values", dtype, meta["k"])]
+
+    def _encode(self, flat: torch.Tensor, ctx: Context):
+        numel = flat.numel()
+        k = resolve_k(numel, self.ratio, self.k)
+        seed = self._shared_seed(ctx)
+        scale = numel / k if self.rescale else 1.0
+        values = ops.randk_select(flat, k, seed, ctx.residual, scale=scale)
+        return {"values": values.to(flat.dtype)}, {"k": k, "seed": seed}
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        values = payload.tensors["values"]
+        indices = reference.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], values.device)
+        return _decode_sparse(indices, values, payload.numel, out, accumulate)

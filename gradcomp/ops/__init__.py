@@ -1,0 +1,116 @@
+"""Kernel-level ops and backend dispatch.
+
+Each op has one torch reference (:mod:`gradcomp.ops.reference`) and zero or
+more GPU implementations. :func:`implementation` picks, for a tensor's
+device, the first available backend in ``BACKEND_PREFERENCE`` that provides
+the op. ``GRADCOMP_BACKEND=torch|triton|cuda`` forces one backend; forcing a
+backend that is not available, or that lacks the op, raises instead of
+silently falling back.
+
+Example:
+    >>> from gradcomp import ops
+    >>> q, scales = ops.quantize_blockwise(torch.randn(4096), bits=8, block=256)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from gradcomp.ops import reference
+
+BACKENDS = ("torch", "triton", "cuda")
+# Fastest first; torch is the fallback that always exists.
+BACKEND_PREFERENCE = ("cuda", "triton", "torch")
+
+OP_NAMES = (
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "sign_compress",
+    "sign_decompress",
+    "topk_select",
+    "randk_select",
+    "scatter_add",
+    "pack_bits",
+    "unpack_bits",
+)
+
+# backend -> (is_available(device) -> bool, {op name: function})
+_REGISTRY: dict[str, tuple[Callable[[torch.device], bool], dict[str, Callable]]] = {
+    "torch": (lambda device: True, {name: getattr(reference, name) for name in OP_NAMES}),
+}
+
+
+def register_backend(
+    name: str, is_available: Callable[[torch.device], bool], functions: dict[str, Callable]
+) -> None:
+    """Make ``functions`` (op name -> implementation) a backend called ``name``.
+
+    ``is_available(device)`` tells whether the backend can run on tensors of
+    that device (for example: a GPU is present and the toolchain imports).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+    unknown = set(functions) - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"backend {name!r} registers unknown ops {sorted(unknown)}")
+    _REGISTRY[name] = (is_available, dict(functions))
+
+
+def forced_backend() -> str | None:
+    """The backend named by ``GRADCOMP_BACKEND``, or None when unset."""
+    name = os.environ.get("GRADCOMP_BACKEND", "").strip().lower()
+    if not name:
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"GRADCOMP_BACKEND={name!r} is not one of {BACKENDS}")
+    return name
+
+
+def implementation(op: str, device: torch.device) -> Callable:
+    """The function that runs ``op`` for tensors on ``device``."""
+    forced = forced_backend()
+    if forced is not None:
+        if forced not in _REGISTRY:
+            raise RuntimeError(
+                f"GRADCOMP_BACKEND={forced} requested but that backend is not installed "
+                "(its package or toolchain is missing)"
+            )
+        is_available, functions = _REGISTRY[forced]
+        if op not in functions:
+            raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it has no {op!r} op")
+        if not is_available(device):
+            raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it cannot run on {device}")
+        return functions[op]
+    for name in BACKEND_PREFERENCE:
+        entry = _REGISTRY.get(name)
+        if entry is not None and op in entry[1] and entry[0](device):
+            return entry[1][op]
+    raise AssertionError("unreachable: the torch backend provides every op")
+
+
+def _dispatching(op: str) -> Callable:
+    def run(x: torch.Tensor, *args, **kwargs):
+        return implementation(op, x.device)(x, *args, **kwargs)
+
+    run.__name__ = op
+    run.__doc__ = getattr(reference, op).__doc__
+    return run
+
+
+quantize_blockwise = _dispatching("quantize_blockwise")
+dequantize_blockwise = _dispatching("dequantize_blockwise")
+sign_compress = _dispatching("sign_compress")
+sign_decompress = _dispatching("sign_decompress")
+topk_select = _dispatching("topk_select")
+randk_select = _dispatching("randk_select")
+scatter_add = _dispatching("scatter_add")
+pack_bits = _dispatching("pack_bits")
+unpack_bits = _dispatching("unpack_bits")
+randk_indices = reference.randk_indices
+index_dtype_for = reference.index_dtype_for
+code_bits = reference.code_bits
+
+__all__ = [*OP_NAMES, "code_bits", "implementation", "index_dtype_for", "randk_indices", "register_backend"]

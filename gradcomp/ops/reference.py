@@ -1,0 +1,403 @@
+"""Torch reference of every gradcomp op: the definition of correct.
+
+Every GPU implementation (Triton in ``gradcomp.kernels``, CUDA in ``csrc/``) is
+tested against these functions. They run on any device torch supports and
+perform error feedback unfused: ``y = x + residual; c = C(y); residual <- y - D(c)``.
+
+Conventions shared by all ops:
+
+* Inputs are flattened; the caller keeps shape and dtype.
+* Arithmetic is fp32 whatever the input dtype (fp16 / bf16 are upcast).
+* Randomness comes from a ``torch.Generator`` seeded with ``seed``; the
+  global RNG is never touched.
+* A residual never becomes non-finite: where the compensated value or its
+  decoding is inf or NaN, the residual entry is set to zero. The step that
+  saw the non-finite gradient is skipped by the optimizer (GradScaler), and a
+  poisoned residual would break every later step.
+* Non-finite inputs are never hidden: a block holding inf or NaN decodes to
+  a non-finite value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "code_bits",
+    "store_residual",
+    "write_out",
+    "compensate",
+    "dequantize_blockwise",
+    "index_dtype_for",
+    "pack_bits",
+    "quantize_blockwise",
+    "randk_indices",
+    "randk_select",
+    "scatter_add",
+    "sign_compress",
+    "sign_decompress",
+    "topk_select",
+    "unpack_bits",
+]
+
+INT32_LIMIT = 2**31 - 1
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed) & (2**63 - 1))
+    return generator
+
+
+def index_dtype_for(numel: int) -> torch.dtype:
+    """Smallest index dtype that addresses ``numel`` elements (int32 or int64)."""
+    return torch.int32 if numel <= INT32_LIMIT else torch.int64
+
+
+def code_bits(levels: int) -> int:
+    """Bits needed for the codes ``0 .. 2 * levels`` (a signed level plus an offset)."""
+    needed = max(1, math.ceil(math.log2(2 * levels + 1)))
+    for bits in (1, 2, 4, 8):
+        if needed <= bits:
+            return bits
+    raise ValueError(f"levels={levels} needs more than 8 bits per code")
+
+
+def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``x + residual`` in fp32, flattened (a fresh tensor: never aliases ``x``)."""
+    y = x.reshape(-1).to(torch.float32, copy=True)
+    if residual is not None:
+        y += residual.reshape(-1).float()
+    return y
+
+
+def store_residual(residual: torch.Tensor | None, y: torch.Tensor, decoded: torch.Tensor) -> None:
+    if residual is None:
+        return
+    error = y - decoded
+    error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
+    residual.view(-1).copy_(error)
+
+
+def _blocks(y: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-y.numel()) % block
+    if pad:
+        y = torch.nn.functional.pad(y, (0, pad))
+    return y.view(-1, block)
+
+
+# ----------------------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-wide codes (uint8, values < 2**bits) into bytes.
+
+    Element ``i`` lands in byte ``i // (8 // bits)`` at bit offset
+    ``(i % (8 // bits)) * bits`` (little end first). The tail is zero-padded.
+
+    Example:
+        >>> pack_bits(torch.tensor([1, 2, 3], dtype=torch.uint8), 2)
+        tensor([57], dtype=torch.uint8)
+    """
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return codes.clone()
+    per_byte = 8 // bits
+    pad = (-codes.numel()) % per_byte
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    grouped = codes.view(-1, per_byte).to(torch.int32) << shifts.to(torch.int32)
+    return grouped.sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    if bits == 8:
+        return packed.reshape(-1)[:numel]
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
+    codes = (packed.reshape(-1, 1).to(torch.int32) >> shifts) & mask
+    return codes.reshape(-1)[:numel].to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: torch.Tensor | None = None,
+    *,
+    levels: int | None = None,
+    scale: str = "absmax",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear quantization with one fp32 scale per block, error feedback fused.
+
+    Each block of ``block`` elements gets a scale ``s`` (``absmax / levels`` or,
+    for QSGD, ``l2norm / levels``) and each element the signed level
+    ``q = round(y / s)`` in ``[-levels, levels]`` (stochastic rounding when
+    ``stochastic``: ``floor(y / s + u)``, ``u ~ U[0, 1)``, unbiased). Codes
+    ``q + levels`` are packed ``bits`` wide.
+
+    Args:
+        x: floating tensor of any shape (read as flat).
+        bits: code width, 1, 2, 4 or 8; must hold ``2 * levels + 1`` codes.
+        block: elements per scale.
+        stochastic: stochastic instead of round-to-nearest.
+        seed: generator seed for stochastic rounding.
+        residual: error-feedback memory (same numel as ``x``), updated in place.
+        levels: largest level; default ``2 ** (bits - 1) - 1``.
+        scale: ``"absmax"`` or ``"norm"`` (QSGD).
+
+    Returns:
+        ``(packed codes uint8, scales fp32 of ceil(numel / block))``.
+
+    Example:
+        >>> q, s = quantize_blockwise(torch.randn(1000), bits=8, block=256)
+    """
+    levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    if code_bits(levels) > bits:
+        raise ValueError(f"{bits} bits cannot hold levels={levels}")
+    y = compensate(x, residual)
+    numel = y.numel()
+    blocks = _blocks(y, block)
+    if scale == "absmax":
+        magnitude = blocks.abs().amax(dim=1)
+    elif scale == "norm":
+        magnitude = blocks.norm(dim=1)
+    else:
+        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
+    scales = magnitude / levels
+    # All-zero blocks keep scale 0 and codes of level 0; inf/NaN blocks keep a
+    # non-finite scale so that they decode to non-finite values.
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    scaled = blocks / divisor
+    if stochastic:
+        noise = torch.rand(scaled.shape, generator=_generator(seed, y.device), device=y.device)
+        level = torch.floor(scaled + noise)
+    else:
+        level = torch.round(scaled)
+    level = torch.nan_to_num(level, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-levels, levels)
+    codes = (level + levels).to(torch.uint8).reshape(-1)[:numel]
+    if residual is not None:
+        decoded = (level * scales.unsqueeze(1)).reshape(-1)[:numel]
+        store_residual(residual, y, decoded)
+    return pack_bits(codes, bits), scales
+
+
+def dequantize_blockwise(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    *,
+    levels: int | None = None,
+) -> torch.Tensor:
+    """Decode :func:`quantize_blockwise`'s output.
+
+    Args:
+        q, scales: the packed codes and per-block scales.
+        bits, block, levels: as given to :func:`quantize_blockwise`.
+        numel: number of elements encoded.
+        out: optional flat-viewable tensor to write (or add) into; any float dtype.
+        accumulate: ``out += decoded`` instead of ``out = decoded``.
+
+    Returns:
+        ``out`` if given, else a new fp32 tensor of ``numel`` elements.
+    """
+    levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    codes = unpack_bits(q, bits, numel).to(torch.float32) - levels
+    pad = (-numel) % block
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    decoded = (codes.view(-1, block) * scales.float().unsqueeze(1)).reshape(-1)[:numel]
+    return write_out(decoded, out, accumulate)
+
+
+def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+    if out is None:
+        return decoded
+    flat = out.view(-1)
+    if accumulate:
+        flat += decoded.to(flat.dtype)
+    else:
+        flat.copy_(decoded)
+    return out
+
+
+# ----------------------------------------------------------------------------- 1-bit sign
+
+
+def sign_compress(
+    x: torch.Tensor, block: int, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled sign: one bit per element (1 = non-negative) and per block the mean magnitude.
+
+    Returns:
+        ``(packed signs uint8 with 8 signs a byte, scales fp32 per block)``.
+    """
+    y = compensate(x, residual)
+    numel = y.numel()
+    blocks = _blocks(y, block)
+    counts = torch.full((blocks.shape[0],), float(block), device=y.device)
+    if numel % block:
+        counts[-1] = numel % block
+    scales = blocks.abs().sum(dim=1) / counts
+    # NaN has no sign: it must still decode to NaN, which its block's NaN scale ensures.
+    signs = (y >= 0).to(torch.uint8)
+    if residual is not None:
+        decoded = torch.where(signs.bool(), 1.0, -1.0) * scales.repeat_interleave(block)[:numel]
+        store_residual(residual, y, decoded)
+    return pack_bits(signs, 1), scales
+
+
+def sign_decompress(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    numel: int,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Decode :func:`sign_compress`: ``scale * (+1 | -1)``."""
+    signs = unpack_bits(packed, 1, numel).to(torch.float32) * 2 - 1
+    decoded = signs * scales.float().repeat_interleave(block)[:numel]
+    return write_out(decoded, out, accumulate)
+
+
+# ----------------------------------------------------------------------------- sparsification
+
+
+def _selection_magnitude(y: torch.Tensor) -> torch.Tensor:
+    # NaN must win the selection like inf does, or it would be silently dropped.
+    return torch.nan_to_num(y.abs(), nan=math.inf)
+
+
+def _estimate_threshold(magnitude: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    numel = magnitude.numel()
+    # About 400 expected hits in the sample keep the count within a few percent of k.
+    sample_size = min(numel, max(4096, math.ceil(400 * numel / k)))
+    if sample_size >= numel:
+        sample = magnitude
+    else:
+        picks = torch.randint(
+            numel, (sample_size,), generator=_generator(seed, magnitude.device), device=magnitude.device
+        )
+        sample = magnitude[picks]
+    sample_k = max(1, round(k * sample.numel() / numel))
+    return torch.topk(sample, sample_k, sorted=False).values.min()
+
+
+def topk_select(
+    x: torch.Tensor,
+    k: int,
+    residual: torch.Tensor | None = None,
+    exact: bool = False,
+    *,
+    seed: int = 0,
+    index_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest-magnitude entries of ``x + residual``; sent entries leave the residual.
+
+    ``exact`` returns exactly ``k`` entries (``torch.topk``). Otherwise a
+    threshold estimated from a seeded sample selects between ``0.9 k`` and
+    ``1.1 k`` entries: more than ``1.1 k`` candidates are cut to the exact top
+    ``k`` among them, fewer than ``0.9 k`` fall back to the exact path. NaN and
+    inf count as the largest magnitudes.
+
+    Returns:
+        ``(values fp32, indices)``, indices ascending in the sampling path,
+        int32 unless ``numel`` needs int64 (or ``index_dtype`` says otherwise).
+    """
+    y = compensate(x, residual)
+    numel = y.numel()
+    if not 0 < k <= numel:
+        raise ValueError(f"k must be in [1, {numel}], got {k}")
+    magnitude = _selection_magnitude(y)
+    if exact or k == numel:
+        indices = torch.topk(magnitude, k, sorted=False).indices
+    else:
+        threshold = _estimate_threshold(magnitude, k, seed)
+        indices = torch.nonzero(magnitude >= threshold).view(-1)
+        if indices.numel() > math.floor(1.1 * k):
+            top = torch.topk(magnitude[indices], k, sorted=False).indices
+            indices = indices[top.sort().values]
+        elif indices.numel() < math.ceil(0.9 * k):
+            indices = torch.topk(magnitude, k, sorted=False).indices
+    values = y[indices]
+    if residual is not None:
+        flat = residual.view(-1)
+        flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
+        flat[indices] = 0
+    return values, indices.to(index_dtype or index_dtype_for(numel))
+
+
+def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ``k`` distinct ascending indices in ``[0, numel)`` that ``seed`` picks (int64).
+
+    Every rank that passes the same seed gets the same indices, so random-K
+    payloads can be summed with a plain all-reduce.
+    """
+    if not 0 < k <= numel:
+        raise ValueError(f"k must be in [1, {numel}], got {k}")
+    device = torch.device(device)
+    generator = _generator(seed, device)
+    if k * 4 >= numel:
+        chosen = torch.randperm(numel, generator=generator, device=device)[:k]
+    else:
+        # Sparse pick: draw with replacement until k distinct remain, then drop
+        # a random surplus (torch.unique sorts, so truncating would favour low indices).
+        chosen = torch.empty(0, dtype=torch.int64, device=device)
+        while chosen.numel() < k:
+            extra = torch.randint(numel, (2 * (k - chosen.numel()) + 16,), generator=generator, device=device)
+            chosen = torch.unique(torch.cat([chosen, extra]))
+        order = torch.randperm(chosen.numel(), generator=generator, device=device)[:k]
+        chosen = chosen[order]
+    return chosen.sort().values
+
+
+def randk_select(
+    x: torch.Tensor,
+    k: int,
+    seed: int,
+    residual: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Values of ``(x + residual) * scale`` at :func:`randk_indices`; sent entries leave the residual.
+
+    If any entry of ``x + residual`` is inf or NaN, the first value becomes
+    NaN, so a non-finite gradient is never hidden by not being picked.
+    """
+    y = compensate(x, residual)
+    indices = randk_indices(y.numel(), k, seed, y.device)
+    picked = y[indices]
+    values = picked * scale
+    # y.sum() * 0 is NaN exactly when y holds inf or NaN; no host sync needed.
+    values[:1] += y.sum() * 0
+    if residual is not None:
+        flat = residual.view(-1)
+        flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
+        kept = picked - values
+        flat[indices] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+    return values
+
+
+def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out.view(-1)[indices] += values`` with repeated indices summed; returns ``out``."""
+    flat = out.view(-1)
+    flat.index_add_(0, indices.long(), values.to(flat.dtype))
+    return out

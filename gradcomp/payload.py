@@ -1,0 +1,92 @@
+"""Payload: the tensors a compressor puts on the wire, plus what decoding needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# Buffers are padded to this many bytes so that every tensor view inside a
+# gathered buffer stays aligned for its dtype (int64 needs 8).
+ALIGN = 8
+
+# (name, dtype, numel) of each payload tensor, in wire order.
+Layout = list[tuple[str, torch.dtype, int]]
+
+
+@dataclasses.dataclass
+class Payload:
+    """Compressed form of one tensor.
+
+    Attributes:
+        tensors: name -> 1-D tensor, in wire order (widest dtype first, so
+            that views into a flat byte buffer stay aligned).
+        shape, dtype: of the tensor that was compressed.
+        meta: small integers decoding needs beyond the tensors' sizes (for
+            example ``k``, a shared ``seed``).
+
+    Example:
+        >>> p = gradcomp.get_compressor("int8").compress(torch.randn(1000))
+        >>> p.nbytes
+        1016
+    """
+
+    tensors: dict[str, torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    meta: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors that go on the wire (without alignment padding)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    def layout(self) -> Layout:
+        return [(name, t.dtype, t.numel()) for name, t in self.tensors.items()]
+
+    def to_buffer(self, size: int | None = None) -> torch.Tensor:
+        """All tensors as one flat uint8 buffer, zero-padded to ``size`` bytes
+        (default: :func:`buffer_size` of the layout)."""
+        size = buffer_size(self.layout()) if size is None else size
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for tensor in self.tensors.values():
+            raw = tensor.contiguous().view(torch.uint8).view(-1)
+            buffer[offset : offset + raw.numel()] = raw
+            offset += raw.numel()
+        return buffer
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Payload:
+        return dataclasses.replace(self, tensors=tensors)
+
+    @classmethod
+    def from_buffer(
+        cls,
+        buffer: torch.Tensor,
+        layout: Layout,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        meta: dict[str, int] | None = None,
+    ) -> Payload:
+        """Views into ``buffer`` (uint8) laid out as ``layout``: no copies."""
+        tensors = {}
+        offset = 0
+        for name, tensor_dtype, numel in layout:
+            nbytes = numel * torch.empty((), dtype=tensor_dtype).element_size()
+            tensors[name] = buffer[offset : offset + nbytes].view(tensor_dtype)
+            offset += nbytes
+        return cls(tensors, torch.Size(shape), dtype, dict(meta or {}))
+
+
+def buffer_size(layout: Layout) -> int:
+    """Bytes :meth:`Payload.to_buffer` uses for ``layout``, padded to ``ALIGN``."""
+    raw = sum(numel * torch.empty((), dtype=dtype).element_size() for _, dtype, numel in layout)
+    return -(-raw // ALIGN) * ALIGN
