@@ -9,6 +9,8 @@ Example:
 """
 
 from gradcomp import ops
+from gradcomp import collectives, ddp
+from gradcomp.collectives import all_reduce
 from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload
@@ -21,6 +23,9 @@ __all__ = [
     "Context",
     "ErrorFeedback",
     "Payload",
+    "all_reduce",
+    "collectives",
+    "ddp",
     "get_compressor",
     "ops",
 ]

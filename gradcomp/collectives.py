@@ -26,6 +26,7 @@ or decoding garbage.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import queue
@@ -129,9 +130,17 @@ class CollectiveQueue:
         self._jobs.put((fn, future, stream))
         return future
 
+    def close(self) -> None:
+        """Stop the worker after the jobs already submitted."""
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
     def _run(self) -> None:
         while True:
-            fn, future, stream = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future, stream = job
             try:
                 if stream is None:
                     result = fn()
@@ -150,6 +159,23 @@ class CollectiveQueue:
 
 _QUEUES: dict[object, CollectiveQueue] = {}
 _QUEUES_LOCK = threading.Lock()
+
+
+def release_queues() -> None:
+    """Drop every collective queue (and its cloned group).
+
+    Runs at interpreter exit: a cloned Gloo group still alive when the
+    interpreter tears down after ``destroy_process_group`` aborts the process.
+    Call it yourself before re-initializing torch.distributed in one process.
+    """
+    with _QUEUES_LOCK:
+        queues = list(_QUEUES.values())
+        _QUEUES.clear()
+    for q in queues:
+        q.close()
+
+
+atexit.register(release_queues)
 
 
 def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
@@ -333,8 +359,15 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
 
 def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
     # Divide before the reduction (not after) so 16-bit sums cannot overflow.
-    source = flat / q.world_size if job.op == "avg" else flat
-    payload = _compress_measured(job, source, _residual(job, job.key, flat), job.key, q.rank, stats)
+    # The residual stays in the input's units, as in the other algorithms.
+    divide = q.world_size if job.op == "avg" else 1
+    source = flat / divide if divide > 1 else flat
+    residual = _residual(job, job.key, flat)
+    if residual is not None and divide > 1:
+        residual.div_(divide)
+    payload = _compress_measured(job, source, residual, job.key, q.rank, stats)
+    if residual is not None and divide > 1:
+        residual.mul_(divide)
     for wire in payload.tensors.values():
         dist.all_reduce(wire, group=q.group)
         stats.bytes_sent += wire.numel() * wire.element_size()

@@ -19,8 +19,8 @@ class Payload:
     """Compressed form of one tensor.
 
     Attributes:
-        tensors: name -> 1-D tensor, in wire order (widest dtype first, so
-            that views into a flat byte buffer stay aligned).
+        tensors: name -> 1-D tensor. On the wire they go widest dtype
+            first (:func:`wire_order`), so views into a byte buffer stay aligned.
         shape, dtype: of the tensor that was compressed.
         meta: small integers decoding needs beyond the tensors' sizes (for
             example ``k``, a shared ``seed``).
@@ -52,13 +52,16 @@ class Payload:
     def layout(self) -> Layout:
         return [(name, t.dtype, t.numel()) for name, t in self.tensors.items()]
 
+    def _wire_tensors(self) -> list[torch.Tensor]:
+        return [self.tensors[name] for name, _, _ in wire_order(self.layout())]
+
     def to_buffer(self, size: int | None = None) -> torch.Tensor:
         """All tensors as one flat uint8 buffer, zero-padded to ``size`` bytes
         (default: :func:`buffer_size` of the layout)."""
         size = buffer_size(self.layout()) if size is None else size
         buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
         offset = 0
-        for tensor in self.tensors.values():
+        for tensor in self._wire_tensors():
             raw = tensor.contiguous().view(torch.uint8).view(-1)
             buffer[offset : offset + raw.numel()] = raw
             offset += raw.numel()
@@ -77,16 +80,26 @@ class Payload:
         meta: dict[str, int] | None = None,
     ) -> Payload:
         """Views into ``buffer`` (uint8) laid out as ``layout``: no copies."""
-        tensors = {}
+        views = {}
         offset = 0
-        for name, tensor_dtype, numel in layout:
-            nbytes = numel * torch.empty((), dtype=tensor_dtype).element_size()
-            tensors[name] = buffer[offset : offset + nbytes].view(tensor_dtype)
+        for name, tensor_dtype, numel in wire_order(layout):
+            nbytes = numel * _itemsize(tensor_dtype)
+            views[name] = buffer[offset : offset + nbytes].view(tensor_dtype)
             offset += nbytes
+        tensors = {name: views[name] for name, _, _ in layout}
         return cls(tensors, torch.Size(shape), dtype, dict(meta or {}))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def wire_order(layout: Layout) -> Layout:
+    """``layout`` widest dtype first (stable): every view into the buffer stays aligned."""
+    return sorted(layout, key=lambda entry: -_itemsize(entry[1]))
 
 
 def buffer_size(layout: Layout) -> int:
     """Bytes :meth:`Payload.to_buffer` uses for ``layout``, padded to ``ALIGN``."""
-    raw = sum(numel * torch.empty((), dtype=dtype).element_size() for _, dtype, numel in layout)
+    raw = sum(numel * _itemsize(dtype) for _, dtype, numel in layout)
     return -(-raw // ALIGN) * ALIGN

@@ -27,16 +27,19 @@ class NoCompression(Compressor):
         return [("values", dtype, numel)]
 
     def _encode(self, flat: torch.Tensor, ctx: Context):
-        # Nothing is dropped, so a residual only carries over what an earlier
-        # compressor left behind: it is sent now and emptied.
+        # Nothing is dropped: a residual only carries over what an earlier
+        # compressor left behind (or rounding to the tensor's dtype loses now).
         if ctx.residual is None:
             return {"values": flat}, {}
-        values = (flat.float() + ctx.residual.float()).to(flat.dtype)
-        ctx.residual.zero_()
+        y = reference.compensate(flat, ctx.residual)
+        values = y.to(flat.dtype)
+        reference.store_residual(ctx.residual, y, values.float())
         return {"values": values}, {}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
-        return reference.write_out(payload.tensors["values"], out, accumulate)
+        values = payload.tensors["values"]
+        # The payload may alias the input tensor; a new result must not.
+        return reference.write_out(values.clone() if out is None else values, out, accumulate)
 
 
 class Cast(Compressor):

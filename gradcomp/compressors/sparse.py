@@ -89,8 +89,9 @@ class TopK(Compressor):
             self.exact,
             seed=self._private_seed(ctx),
             index_dtype=self._index_dtype(flat.numel()),
+            value_dtype=flat.dtype,
         )
-        return {"indices": indices, "values": values.to(flat.dtype)}, {"k": values.numel()}
+        return {"indices": indices, "values": values}, {"k": values.numel()}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         return _decode_sparse(
@@ -142,8 +143,8 @@ class RandK(Compressor):
         k = resolve_k(numel, self.ratio, self.k)
         seed = self._shared_seed(ctx)
         scale = numel / k if self.rescale else 1.0
-        values = ops.randk_select(flat, k, seed, ctx.residual, scale=scale)
-        return {"values": values.to(flat.dtype)}, {"k": k, "seed": seed}
+        values = ops.randk_select(flat, k, seed, ctx.residual, scale=scale, value_dtype=flat.dtype)
+        return {"values": values}, {"k": k, "seed": seed}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         values = payload.tensors["values"]

@@ -166,6 +166,8 @@ def quantize_blockwise(
         >>> q, s = quantize_blockwise(torch.randn(1000), bits=8, block=256)
     """
     levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    if levels < 1:
+        raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
     if code_bits(levels) > bits:
         raise ValueError(f"{bits} bits cannot hold levels={levels}")
     y = compensate(x, residual)
@@ -174,7 +176,10 @@ def quantize_blockwise(
     if scale == "absmax":
         magnitude = blocks.abs().amax(dim=1)
     elif scale == "norm":
-        magnitude = blocks.norm(dim=1)
+        # Scale by the absmax first: squaring values above ~1.8e19 overflows fp32.
+        peak = blocks.abs().amax(dim=1, keepdim=True)
+        safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+        magnitude = (blocks / safe_peak).norm(dim=1) * peak.squeeze(1)
     else:
         raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
     scales = magnitude / levels
@@ -309,6 +314,7 @@ def topk_select(
     *,
     seed: int = 0,
     index_dtype: torch.dtype | None = None,
+    value_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest-magnitude entries of ``x + residual``; sent entries leave the residual.
 
@@ -319,8 +325,9 @@ def topk_select(
     inf count as the largest magnitudes.
 
     Returns:
-        ``(values fp32, indices)``, indices ascending in the sampling path,
-        int32 unless ``numel`` needs int64 (or ``index_dtype`` says otherwise).
+        ``(values in value_dtype, indices)``, indices ascending in the sampling
+        path, int32 unless ``numel`` needs int64 (or ``index_dtype`` says
+        otherwise). The residual keeps what rounding to ``value_dtype`` lost.
     """
     y = compensate(x, residual)
     numel = y.numel()
@@ -337,12 +344,19 @@ def topk_select(
             indices = indices[top.sort().values]
         elif indices.numel() < math.ceil(0.9 * k):
             indices = torch.topk(magnitude, k, sorted=False).indices
-    values = y[indices]
-    if residual is not None:
-        flat = residual.view(-1)
-        flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
-        flat[indices] = 0
+    picked = y[indices]
+    values = picked.to(value_dtype)
+    _keep_unsent(residual, y, indices, picked - values.float())
     return values, indices.to(index_dtype or index_dtype_for(numel))
+
+
+def _keep_unsent(residual: torch.Tensor | None, y: torch.Tensor, indices: torch.Tensor, lost: torch.Tensor) -> None:
+    """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``."""
+    if residual is None:
+        return
+    flat = residual.view(-1)
+    flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
+    flat[indices] = torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)).to(flat.dtype)
 
 
 def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -376,8 +390,13 @@ def randk_select(
     residual: torch.Tensor | None = None,
     *,
     scale: float = 1.0,
+    value_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Values of ``(x + residual) * scale`` at :func:`randk_indices`; sent entries leave the residual.
+    """Values of ``(x + residual) * scale`` at :func:`randk_indices` in ``value_dtype``.
+
+    The residual keeps ``y - sent`` at the picked indices (zero unless
+    ``scale != 1`` or rounding to ``value_dtype`` lost something) and ``y``
+    elsewhere.
 
     If any entry of ``x + residual`` is inf or NaN, the first value becomes
     NaN, so a non-finite gradient is never hidden by not being picked.
@@ -385,14 +404,11 @@ def randk_select(
     y = compensate(x, residual)
     indices = randk_indices(y.numel(), k, seed, y.device)
     picked = y[indices]
-    values = picked * scale
-    # y.sum() * 0 is NaN exactly when y holds inf or NaN; no host sync needed.
-    values[:1] += y.sum() * 0
-    if residual is not None:
-        flat = residual.view(-1)
-        flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
-        kept = picked - values
-        flat[indices] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+    scaled = picked * scale
+    # No host sync: adds NaN to the first value exactly when y holds inf or NaN.
+    scaled[:1] += torch.where(torch.isfinite(y).all(), 0.0, math.nan)
+    values = scaled.to(value_dtype)
+    _keep_unsent(residual, y, indices, picked - values.float())
     return values
 
 

@@ -1,0 +1,369 @@
+"""DDP communication hooks: bucket -> compressed all-reduce -> Future.
+
+Example:
+    >>> model = DistributedDataParallel(net)
+    >>> state = gradcomp.ddp.HookState(gradcomp.get_compressor("int8"))
+    >>> model.register_comm_hook(state, gradcomp.ddp.hook)
+    >>> # or in one line:
+    >>> state = gradcomp.ddp.register(model, "topk", ratio=0.01, warmup_steps=100)
+    >>> ...; loss.backward(); state.last_stats.ratio
+
+How the hook keeps a training run safe:
+
+* Every bucket's collectives go through the group's ordered worker
+  (:mod:`gradcomp.collectives`), in bucket order, which is the same on every
+  rank; hooks return at once, so communication overlaps the backward pass.
+* Residuals are keyed by ``bucket.index()`` and remembered per parameter
+  layout. When DDP rebuilds its buckets after the first iteration, the
+  residuals are cut per parameter and reassembled for the new buckets: no
+  feedback is lost (only the small per-chunk residuals of ``two_phase`` are
+  reset).
+* ``state_dict()`` records the bucket layouts. A resumed process starts with
+  DDP's initial buckets, not the rebuilt ones the checkpoint saw; for that
+  first iteration the hook holds all buckets, regroups the gradients into the
+  saved layout, and reduces them exactly as the uninterrupted run would have,
+  so the run continues bit for bit.
+"""
+
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import Job, ReduceStats, check_algorithm, queue_for, run_job
+from gradcomp.compressors import Compressor, NoCompression, get_compressor
+from gradcomp.feedback import ErrorFeedback
+
+logger = logging.getLogger(__name__)
+
+_DENSE = NoCompression()
+
+# A bucket layout: ((parameter number, numel), ...) in bucket order.
+Layout = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Per-step statistics of one rank, summed over the step's buckets.
+
+    Attributes:
+        step: hook step (one per synchronised backward pass).
+        bytes_sent: bytes handed to collectives (see ``ReduceStats``).
+        dense_bytes: bytes a dense all-reduce of the same buckets would hand over.
+        compress_seconds: wall time compressing and decoding.
+        relative_error: ``||decoded - input|| / ||input||`` of this rank's own
+            compression over the compressed buckets (NaN when not measured,
+            0 for a fully dense step).
+        buckets, compressed_buckets: buckets seen, and how many were compressed.
+    """
+
+    step: int
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    compress_seconds: float = 0.0
+    relative_error: float = math.nan
+    buckets: int = 0
+    compressed_buckets: int = 0
+    _error_sq: float = dataclasses.field(default=0.0, repr=False)
+    _input_sq: float = dataclasses.field(default=0.0, repr=False)
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: dense bytes / bytes sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    def add(self, reduced: ReduceStats, compressed: bool) -> None:
+        self.bytes_sent += reduced.bytes_sent
+        self.dense_bytes += reduced.dense_bytes
+        self.compress_seconds += reduced.compress_seconds
+        self.buckets += 1
+        self.compressed_buckets += int(compressed)
+        if compressed and not math.isnan(reduced.error_sq):
+            self._error_sq += reduced.error_sq
+            self._input_sq += reduced.input_sq
+            self.relative_error = math.sqrt(self._error_sq / self._input_sq) if self._input_sq > 0 else 0.0
+        elif self.compressed_buckets == 0:
+            self.relative_error = 0.0
+
+
+class HookState:
+    """State of :func:`hook`: compressor, residuals, step counter, statistics.
+
+    Args:
+        compressor: a :class:`Compressor` or a compressor name.
+        process_group: group to reduce over (default WORLD).
+        warmup_steps: the first steps are reduced dense (no compression).
+        min_numel: buckets with fewer elements are reduced dense.
+        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``.
+        residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`ErrorFeedback`).
+        measure_error: keep ``relative_error`` in the statistics (costs one
+            extra pass over each bucket).
+        history: how many :class:`StepStats` to keep (oldest dropped).
+
+    Example:
+        >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
+        >>> ddp_model.register_comm_hook(state, hook)
+    """
+
+    __slots__ = (
+        # configuration
+        "compressor",
+        "process_group",
+        "warmup_steps",
+        "min_numel",
+        "algorithm",
+        "measure_error",
+        "history",
+        # progress and memory
+        "step",
+        "feedback",
+        # bucket layouts: parameter numbering, each bucket's parameters, a restored layout
+        "_param_numbers",
+        "_layouts",
+        "_restored_layouts",
+        "_pieces",
+        "_held",
+        # statistics (written by the collective worker)
+        "stats",
+        "_open_stats",
+    )
+
+    def __init__(
+        self,
+        compressor: Compressor | str,
+        process_group: dist.ProcessGroup | None = None,
+        warmup_steps: int = 0,
+        min_numel: int = 1024,
+        *,
+        algorithm: str | None = None,
+        residual_dtype: str = "fp32",
+        measure_error: bool = True,
+        history: int = 10_000,
+    ):
+        self.compressor = get_compressor(compressor)
+        self.process_group = process_group
+        for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        self.warmup_steps = warmup_steps
+        self.min_numel = min_numel
+        self.algorithm = check_algorithm(self.compressor, algorithm)
+        self.measure_error = bool(measure_error)
+        self.history = history
+        self.step = 0
+        self.feedback = ErrorFeedback(residual_dtype)
+        self._param_numbers: dict[int, int] = {}
+        self._layouts: dict[int, tuple[int, ...]] = {}
+        self._restored_layouts: dict[int, tuple[int, ...]] | None = None
+        self._pieces: dict[int, torch.Tensor] = {}
+        self._held: list = []
+        self.stats: list[StepStats] = []
+        self._open_stats: dict[int, StepStats] = {}
+        logger.info(
+            "gradcomp hook: %r, algorithm=%s, warmup_steps=%d, min_numel=%d, residual_dtype=%s",
+            self.compressor,
+            self.algorithm,
+            warmup_steps,
+            min_numel,
+            residual_dtype,
+        )
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """Statistics of the last completed step (None before the first)."""
+        return self.stats[-1] if self.stats else None
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """Step, residuals and bucket layouts; ``torch.save``-able."""
+        return {
+            "step": self.step,
+            "settings": self.compressor.settings(),
+            "feedback": self.feedback.state_dict(),
+            "layouts": dict(self._layouts),
+            "pieces": {k: v.clone() for k, v in self._pieces.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; the next step continues the saved run exactly."""
+        if state["settings"] != self.compressor.settings():
+            raise ValueError(
+                f"checkpoint was saved with compressor settings {state['settings']}, "
+                f"this state has {self.compressor.settings()}"
+            )
+        self.step = int(state["step"])
+        self.feedback.load_state_dict(state["feedback"])
+        self._pieces = {k: v.clone() for k, v in state["pieces"].items()}
+        self._layouts = {int(k): tuple(v) for k, v in state["layouts"].items()}
+        self._restored_layouts = dict(self._layouts) if self._layouts else None
+        self._param_numbers = {}
+
+    def __getstate__(self):
+        # Process groups cannot be pickled; like torch's hooks, drop it.
+        return {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+
+    # ------------------------------------------------------------------ layouts
+    # A layout is a bucket's ((parameter number, numel), ...). Parameters are
+    # numbered in the order the first iteration's buckets present them, which
+    # depends only on the model and DDP's bucket caps: the same in a resumed
+    # process as in the run that saved the checkpoint.
+    def _layout_of(self, bucket: dist.GradBucket) -> Layout:
+        layout = []
+        for parameter in bucket.parameters():
+            number = self._param_numbers.setdefault(id(parameter), len(self._param_numbers))
+            layout.append((number, parameter.numel()))
+        return tuple(layout)
+
+    def _cut_residuals(self) -> None:
+        """Cut every bucket residual into per-parameter pieces (buckets are changing)."""
+        for index, layout in self._layouts.items():
+            self.feedback.pop(("two_phase", index))
+            residual = self.feedback.pop(index)
+            if residual is None:
+                continue
+            for (number, _), piece in zip(layout, residual.split([n for _, n in layout])):
+                self._pieces[number] = piece.clone()
+        self._layouts = {}
+
+    def _adopt_layout(self, index: int, layout: Layout, like: torch.Tensor) -> None:
+        """Make ``layout`` bucket ``index``'s, assembling its residual from pieces.
+
+        Runs on the collective worker, so no bucket still in flight loses its residual.
+        """
+        if self._layouts.get(index) == layout:
+            return
+        owned = {number for other in self._layouts.values() for number, _ in other}
+        if index in self._layouts or any(number in owned for number, _ in layout):
+            self._cut_residuals()
+        self._layouts[index] = layout
+        if any(number in self._pieces for number, _ in layout):
+            dtype = torch.float32 if self.feedback.dtype == "fp32" else like.dtype
+            parts = [
+                self._pieces.pop(number).to(dtype)
+                if number in self._pieces
+                else torch.zeros(numel, dtype=dtype, device=like.device)
+                for number, numel in layout
+            ]
+            self.feedback.set(index, torch.cat(parts))
+
+    # ------------------------------------------------------------------ reduction (worker thread)
+    def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout, step: int, last: bool, q) -> None:
+        self._adopt_layout(index, layout, tensor)
+        dense = step < self.warmup_steps or tensor.numel() < self.min_numel
+        job = Job(
+            tensor,
+            _DENSE if dense else self.compressor,
+            "avg",
+            "dense" if dense else self.algorithm,
+            None if dense else self.feedback,
+            key=index,
+            step=step,
+            measure_error=self.measure_error and not dense,
+        )
+        reduced = run_job(job, q)
+        current = self._open_stats.setdefault(step, StepStats(step))
+        current.add(reduced, compressed=not dense)
+        if last:
+            self.stats.append(self._open_stats.pop(step))
+            del self.stats[: max(0, len(self.stats) - self.history)]
+
+    def _reduce_held(self, step: int, q) -> None:
+        """Reduce the held buckets regrouped into the restored layout, then write them back."""
+        held, self._held = self._held, []
+        views = {}
+        for buffer, layout, _ in held:
+            for (number, numel), view in zip(layout, buffer.view(-1).split([n for _, n in layout])):
+                views[number] = (numel, view)
+        restored = self._restored_layouts
+        wanted = {number: numel for layout in restored.values() for number, numel in layout}
+        if {n: numel for n, (numel, _) in views.items()} != wanted:
+            raise ValueError(
+                "the restored hook state's buckets do not hold this model's parameters "
+                "(was it saved for another model or another bucket_cap_mb?)"
+            )
+        indices = sorted(restored)
+        for position, index in enumerate(indices):
+            layout = restored[index]
+            flat = torch.cat([views[number][1] for number, _ in layout])
+            self._reduce(flat, index, layout, step, position == len(indices) - 1, q)
+            for (number, _), piece in zip(layout, flat.split([n for _, n in layout])):
+                views[number][1].copy_(piece)
+        self._restored_layouts = None
+
+
+
+def _future(device: torch.device) -> torch.futures.Future:
+    return torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+
+def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: averages ``bucket`` across ranks through ``state.compressor``.
+
+    Returns at once with a Future of the reduced bucket; the reduction runs
+    on the process group's ordered collective worker.
+
+    Example:
+        >>> ddp_model.register_comm_hook(HookState("int8"), hook)
+    """
+    q = queue_for(state.process_group)
+    buffer = bucket.buffer()
+    index, last = bucket.index(), bucket.is_last()
+    layout = state._layout_of(bucket)
+    step = state.step
+    if last:
+        state.step += 1
+    if state._restored_layouts is not None and (index != 0 or state._restored_layouts.get(0) != layout):
+        # A resumed process: DDP's first buckets differ from the checkpoint's.
+        future = _future(buffer.device)
+        state._held.append((buffer, layout, future))
+        if last:
+            q.submit(lambda: _finish_held(state, step, q), buffer.device)
+        return future
+    state._restored_layouts = None
+    return q.submit(lambda: state._reduce(buffer, index, layout, step, last, q) or buffer, buffer.device)
+
+
+def _finish_held(state: HookState, step: int, q) -> None:
+    futures = [(buffer, future) for buffer, _, future in state._held]
+    try:
+        state._reduce_held(step, q)
+    except BaseException as error:
+        for _, future in futures:
+            future.set_exception(error)
+        raise
+    for buffer, future in futures:
+        future.set_result(buffer)
+
+
+_STATE_OPTIONS = ("process_group", "warmup_steps", "min_numel", "algorithm", "residual_dtype", "measure_error", "history")
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str, **options) -> HookState:
+    """Register gradcomp's hook on ``model`` in one call and return its state.
+
+    ``options`` holds both :class:`HookState` options (``warmup_steps``,
+    ``min_numel``, ``process_group``, ``algorithm``, ``residual_dtype``,
+    ``measure_error``, ``history``) and the compressor's own (``ratio``,
+    ``block``, ...).
+
+    Example:
+        >>> state = gradcomp.ddp.register(ddp_model, "topk", ratio=0.01, warmup_steps=50)
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
+    state_options = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
+    if isinstance(compressor, str):
+        compressor = get_compressor(compressor, **options)
+    elif options:
+        raise ValueError(f"compressor options {sorted(options)} given with a compressor instance")
+    state = HookState(compressor, **state_options)
+    model.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,351 @@
+"""Train a small MLP with every compressor on one CPU machine and compare them.
+
+``world_size`` processes train the same model on scikit-learn's bundled
+digits data set through :class:`~torch.nn.parallel.DistributedDataParallel`
+over Gloo, once per compressor, with the same seed and data every time. Each
+rank takes its own shard of every batch. The result is one row per
+compressor: bytes each rank sent per step, the ratio to dense, the median
+step time, the final training loss and the test accuracy.
+
+Example:
+    >>> rows = run_demo(["dense", "int8"], epochs=2)
+    >>> print(format_table(rows))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+import gradcomp
+
+# Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
+TORCH_RUNS = {"dense": 4, "fp16_hook": 2}
+# Options of the gradcomp runs that differ from the compressor's defaults.
+OPTIONS = {"topk": {"ratio": 0.01}, "randk": {"ratio": 0.01}}
+DEFAULT_RUNS = ("dense", "fp16_hook", "int8", "sign", "topk", "randk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Training settings shared by every run.
+
+    Attributes:
+        epochs: passes over the training set.
+        batch_size: global batch (split evenly across ranks).
+        width: hidden units of each of the MLP's two hidden layers.
+        lr, momentum: of the SGD optimiser.
+        bucket_cap_mb: DDP bucket size; small, so that the model spans several buckets.
+        seed: model initialisation, data split and shuffling.
+    """
+
+    epochs: int = 8
+    batch_size: int = 64
+    width: int = 256
+    lr: float = 0.05
+    momentum: float = 0.9
+    bucket_cap_mb: float = 0.01
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Row:
+    """One run's result, as rank 0 measured it (every rank sends the same amount).
+
+    Attributes:
+        label: the run's name in the table.
+        bytes_per_step: bytes one rank handed to collectives per step
+            (gradcomp: ``StepStats.bytes_sent`` averaged over steps; dense and
+            torch's fp16 hook: gradient elements times 4 or 2).
+        ratio: dense bytes / ``bytes_per_step``.
+        step_ms: median wall time of one training step (forward, backward
+            with its communication, optimiser step).
+        compress_ms: mean ``StepStats.compress_seconds`` per step (NaN outside gradcomp).
+        relative_error: mean ``StepStats.relative_error`` (NaN outside gradcomp).
+        buckets: DDP buckets of the last step (0 outside gradcomp).
+        train_loss: cross-entropy on the whole training set after training.
+        test_accuracy: fraction of test digits classified correctly.
+    """
+
+    label: str
+    bytes_per_step: float
+    ratio: float
+    step_ms: float
+    compress_ms: float
+    relative_error: float
+    buckets: int
+    train_loss: float
+    test_accuracy: float
+
+
+def label_of(name: str) -> str:
+    """How a run is called in the table, e.g. ``topk ratio=0.01``."""
+    if name == "fp16_hook":
+        return "torch fp16 hook"
+    options = " ".join(f"{key}={value}" for key, value in OPTIONS.get(name, {}).items())
+    return f"{name} {options}".strip()
+
+
+def check_runs(names: Sequence[str]) -> None:
+    """Raise ValueError for a name that is neither a torch run nor a gradcomp compressor."""
+    known = [*TORCH_RUNS, *gradcomp.COMPRESSORS]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown demo runs {unknown}; choose from {known}")
+    if not names:
+        raise ValueError(f"no demo runs given; choose from {known}")
+
+
+# ----------------------------------------------------------------------------- data and model
+
+
+def load_digits(seed: int) -> dict[str, torch.Tensor]:
+    """Digits split 75/25 (stratified, fixed seed), features standardised on the training part."""
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = sklearn_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=0.25, random_state=seed, stratify=labels
+    )
+    scaler = StandardScaler().fit(x_train)
+    return {
+        "x_train": torch.tensor(scaler.transform(x_train), dtype=torch.float32),
+        "y_train": torch.tensor(y_train, dtype=torch.int64),
+        "x_test": torch.tensor(scaler.transform(x_test), dtype=torch.float32),
+        "y_test": torch.tensor(y_test, dtype=torch.int64),
+    }
+
+
+def make_mlp(inputs: int, width: int, classes: int, seed: int) -> torch.nn.Module:
+    """Two hidden ReLU layers, initialised from ``seed`` without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(inputs, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, classes),
+        )
+
+
+# ----------------------------------------------------------------------------- one training run
+
+
+def _attach(model: DistributedDataParallel, name: str) -> gradcomp.ddp.HookState | None:
+    if name == "fp16_hook":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if name in TORCH_RUNS:
+        return None
+    return gradcomp.ddp.register(model, name, min_numel=0, **OPTIONS.get(name, {}))
+
+
+def _show(text: str) -> None:
+    sys.stderr.write(f"\r{text:<60}")
+    sys.stderr.flush()
+
+
+def train(name: str, position: str, data: dict, setup: Setup, show_progress: bool) -> Row:
+    """Train one model with run ``name`` and measure it (runs on every rank)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = data["x_train"], data["y_train"]
+    net = make_mlp(x.shape[1], setup.width, int(y.max()) + 1, setup.seed)
+    model = DistributedDataParallel(net, bucket_cap_mb=setup.bucket_cap_mb)
+    state = _attach(model, name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum)
+    shuffle = torch.Generator().manual_seed(setup.seed)
+    step_seconds = []
+    for epoch in range(setup.epochs):
+        if show_progress:
+            _show(f"[{position}] {label_of(name)}: epoch {epoch + 1}/{setup.epochs}")
+        order = torch.randperm(len(x), generator=shuffle)
+        for start in range(0, len(x) - setup.batch_size + 1, setup.batch_size):
+            shard = order[start : start + setup.batch_size][rank::world_size]
+            began = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[shard]), y[shard]).backward()
+            optimizer.step()
+            step_seconds.append(time.perf_counter() - began)
+    with torch.no_grad():
+        train_loss = F.cross_entropy(net(x), y).item()
+        test_accuracy = (net(data["x_test"]).argmax(1) == data["y_test"]).float().mean().item()
+    numel = sum(p.numel() for p in net.parameters())
+    if state is None:
+        sent = numel * TORCH_RUNS[name]
+        stats = dict(
+            ratio=numel * TORCH_RUNS["dense"] / sent, compress_ms=math.nan, relative_error=math.nan, buckets=0
+        )
+    else:
+        sent = statistics.mean(s.bytes_sent for s in state.stats)
+        stats = dict(
+            ratio=sum(s.dense_bytes for s in state.stats) / sum(s.bytes_sent for s in state.stats),
+            compress_ms=1e3 * statistics.mean(s.compress_seconds for s in state.stats),
+            relative_error=statistics.mean(s.relative_error for s in state.stats),
+            buckets=state.last_stats.buckets,
+        )
+    return Row(
+        label=label_of(name),
+        bytes_per_step=sent,
+        step_ms=1e3 * statistics.median(step_seconds),
+        train_loss=train_loss,
+        test_accuracy=test_accuracy,
+        **stats,
+    )
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    names: list[str],
+    setup: Setup,
+    result_path: str,
+    show_progress: bool,
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        data = load_digits(setup.seed)
+        show = rank == 0 and show_progress
+        rows = [train(name, f"{i + 1}/{len(names)}", data, setup, show) for i, name in enumerate(names)]
+        if show:
+            _show("")
+            sys.stderr.write("\r")
+        if rank == 0:
+            with open(result_path, "w") as file:
+                json.dump([dataclasses.asdict(row) for row in rows], file)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver and report
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_demo(
+    names: Sequence[str] = DEFAULT_RUNS,
+    epochs: int = Setup.epochs,
+    world_size: int = 2,
+    show_progress: bool | None = None,
+) -> list[Row]:
+    """Train once per run in ``names`` on ``world_size`` spawned Gloo ranks.
+
+    Args:
+        names: ``"dense"`` (DDP without a hook), ``"fp16_hook"`` (torch's
+            fp16 hook) or gradcomp compressor names (``topk`` and ``randk``
+            keep 1% of the elements).
+        epochs: passes over the training set.
+        world_size: processes to spawn.
+        show_progress: rewrite one progress line on stderr while training
+            (default: when stderr is a terminal).
+
+    Returns:
+        One :class:`Row` per name, in order.
+
+    Raises:
+        ValueError: an unknown name; ``torch.multiprocessing.ProcessRaisedException``
+            when a rank fails.
+    """
+    names = list(names)
+    check_runs(names)
+    if world_size < 1 or epochs < 1:
+        raise ValueError(f"world_size and epochs must be at least 1, got {world_size} and {epochs}")
+    setup = Setup(epochs=epochs)
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
+    with tempfile.TemporaryDirectory() as directory:
+        result_path = os.path.join(directory, "rows.json")
+        mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), names, setup, result_path, show_progress),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        with open(result_path) as file:
+            return [Row(**row) for row in json.load(file)]
+
+
+def machine() -> str:
+    """The machine in one line: CPU count and torch version."""
+    return f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def describe(setup: Setup, rows: list[Row]) -> str:
+    """The model, data and optimiser of the runs in one line."""
+    data = load_digits(setup.seed)
+    inputs, classes = data["x_train"].shape[1], int(data["y_train"].max()) + 1
+    parameters = sum(p.numel() for p in make_mlp(inputs, setup.width, classes, setup.seed).parameters())
+    buckets = max((row.buckets for row in rows), default=0)
+    in_buckets = f" in {buckets} DDP buckets" if buckets else ""
+    return (
+        f"MLP {inputs}-{setup.width}-{setup.width}-{classes} ({parameters:,} parameters{in_buckets}), "
+        f"digits {len(data['x_train'])} train / {len(data['x_test'])} test, "
+        f"SGD lr {setup.lr} momentum {setup.momentum}, global batch {setup.batch_size}, epochs {setup.epochs}"
+    )
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as a fixed-width text table."""
+    header = (
+        "compressor",
+        "bytes/step",
+        "ratio",
+        "step ms",
+        "compress ms",
+        "rel. error",
+        "train loss",
+        "test acc",
+    )
+    lines = [
+        (
+            row.label,
+            f"{row.bytes_per_step:,.0f}",
+            f"{row.ratio:.1f}",
+            f"{row.step_ms:.2f}",
+            "-" if math.isnan(row.compress_ms) else f"{row.compress_ms:.2f}",
+            "-" if math.isnan(row.relative_error) else f"{row.relative_error:.3f}",
+            f"{row.train_loss:.5f}",
+            f"{100 * row.test_accuracy:.1f}%",
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in (header, *lines)) for i in range(len(header))]
+
+    def join(cells):
+        return "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([join(header), rule, *map(join, lines)])

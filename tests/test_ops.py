@@ -1,0 +1,570 @@
+"""Tests of the torch reference ops (the definition of correct) and of backend dispatch.
+
+Tolerances used below:
+
+* Deterministic maps (packing, round-to-nearest decoding, selections) are
+  compared bit-exactly.
+* Error-feedback conservation ``decoded + residual_new == x + residual_old``
+  is exact for the selection ops (values are copied, never recomputed) and
+  holds within fp32 rounding for the quantizers: with ``y = x + residual_old``
+  and ``d`` the decoded value, the residual is ``fl(y - d)`` and the sum
+  ``fl(d + fl(y - d))`` differs from ``y`` by at most ``u (|y| + |y - d|)``,
+  ``u = 2**-24``; we allow ``eps32 * (|y| + |d|)`` with ``eps32 = 2**-23``,
+  which bounds it.
+* Unbiasedness is checked against the exact per-element variance of the
+  estimator: every element's mean over ``T`` independent seeds must lie within
+  5 standard errors of the input, and the mean squared z-score must be close
+  to 1 (a chi-square check that also catches a too-small spread).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradcomp import ops
+from gradcomp.ops import reference
+
+EPS32 = torch.finfo(torch.float32).eps
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def seeded_randn(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def block_view(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks, shaped ``(blocks, block)``."""
+    pad = (-flat.numel()) % block
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
+
+
+def assert_conserved(decoded: torch.Tensor, new_residual: torch.Tensor, y: torch.Tensor, exact: bool) -> None:
+    """``decoded + new_residual == y`` (exactly, or within the fp32 bound of the module docstring)."""
+    total = decoded.float() + new_residual.float()
+    if exact:
+        assert torch.equal(total, y)
+        return
+    bound = EPS32 * (y.abs() + decoded.float().abs())
+    excess = (total - y).abs() - bound
+    assert (excess <= 0).all(), f"worst excess over the fp32 bound: {excess.max().item():.3e}"
+
+
+def assert_unbiased(mean: torch.Tensor, target: torch.Tensor, variance: torch.Tensor, trials: int) -> None:
+    """Per-element 5-sigma bound plus a chi-square check on the z-scores."""
+    standard_error = torch.sqrt(variance / trials)
+    # Elements with (nearly) zero variance must be (nearly) exact; the slack
+    # covers fp32 rounding of level * scale.
+    slack = 8 * EPS32 * target.abs().clamp_min(1e-30)
+    error = (mean - target).abs()
+    assert (error <= 5 * standard_error + slack).all(), (
+        f"max |mean - x| / SE = {(error / (standard_error + slack)).max().item():.2f}"
+    )
+    varying = standard_error > 1e-6
+    assert varying.sum() >= 50, "too few random elements for the chi-square check"
+    mean_square_z = ((mean - target)[varying] / standard_error[varying]).pow(2).mean().item()
+    count = int(varying.sum())
+    # chi-square with `count` degrees of freedom, divided by count: mean 1, sd sqrt(2 / count).
+    assert abs(mean_square_z - 1) < 6 * math.sqrt(2 / count), mean_square_z
+
+
+# ============================================================================= bit packing
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 1023, 4096])
+def test_pack_unpack_round_trip(bits, numel):
+    generator = torch.Generator().manual_seed(bits * 10_000 + numel)
+    codes = torch.randint(0, 2**bits, (numel,), generator=generator, dtype=torch.uint8)
+    packed = ops.pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == math.ceil(numel * bits / 8)
+    unpacked = ops.unpack_bits(packed, bits, numel)
+    assert unpacked.dtype == torch.uint8
+    assert torch.equal(unpacked, codes)
+
+
+@pytest.mark.parametrize(
+    "bits, codes, expected",
+    [
+        (2, [1, 2, 3], [0b00111001]),
+        (1, [1, 0, 1, 1, 0, 0, 0, 0, 1], [0b00001101, 0b00000001]),
+        (1, [1] * 7, [0b01111111]),
+        (4, [0xA, 0x5, 0xF], [0x5A, 0x0F]),
+        (2, [3, 3, 3, 3, 0, 1], [0xFF, 0b00000100]),
+        (8, [0, 17, 255], [0, 17, 255]),
+    ],
+)
+def test_pack_bits_known_bytes(bits, codes, expected):
+    packed = ops.pack_bits(torch.tensor(codes, dtype=torch.uint8), bits)
+    assert packed.tolist() == expected
+    assert ops.unpack_bits(packed, bits, len(codes)).tolist() == codes
+
+
+def test_pack_bits_rejects_other_widths():
+    codes = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        ops.pack_bits(codes, 3)
+    with pytest.raises(ValueError):
+        ops.unpack_bits(codes, 16, 8)
+
+
+# ============================================================================= blockwise quantization
+
+QUANT_SIZES_BLOCKS = [(1, 64), (1023, 64), (1023, 100), (4097, 256), (4097, 100)]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("numel, block", QUANT_SIZES_BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_round_to_nearest_error_bound(bits, numel, block, dtype):
+    x = seeded_randn(numel, seed=numel + bits, dtype=dtype)
+    q, scales = ops.quantize_blockwise(x, bits, block)
+    levels = 2 ** (bits - 1) - 1
+    assert scales.dtype == torch.float32
+    assert scales.numel() == math.ceil(numel / block)
+    assert q.numel() == math.ceil(numel * bits / 8)
+    y = x.float()
+    expected_scales = block_view(y, block).abs().amax(dim=1) / levels
+    assert torch.equal(scales, expected_scales)
+    decoded = ops.dequantize_blockwise(q, scales, bits, block, numel)
+    assert decoded.dtype == torch.float32 and decoded.shape == (numel,)
+    error = block_view(decoded - y, block).abs()
+    # Half a step per element, per block, up to fp32 rounding of y / s and level * s.
+    bound = scales.unsqueeze(1) / 2 + 4 * EPS32 * block_view(y, block).abs()
+    assert (error <= bound).all()
+
+
+@pytest.mark.parametrize("scale", ["absmax", "norm"])
+@pytest.mark.parametrize("numel, block", [(1023, 100), (4097, 256)])
+def test_quantize_stochastic_is_deterministic_per_seed(scale, numel, block):
+    x = seeded_randn(numel, seed=5)
+    first = ops.quantize_blockwise(x, 4, block, stochastic=True, seed=77, scale=scale, levels=7)
+    second = ops.quantize_blockwise(x, 4, block, stochastic=True, seed=77, scale=scale, levels=7)
+    other = ops.quantize_blockwise(x, 4, block, stochastic=True, seed=78, scale=scale, levels=7)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert not torch.equal(first[0], other[0])
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_round_to_nearest_is_deterministic(bits):
+    x = seeded_randn(4097, seed=6)
+    first = ops.quantize_blockwise(x, bits, 100, seed=1)
+    second = ops.quantize_blockwise(x, bits, 100, seed=2)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("scale", ["absmax", "norm"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_all_zero_blocks_decode_to_exact_zeros(stochastic, scale, bits):
+    block = 64
+    x = seeded_randn(5 * block + 17, seed=bits)
+    x[block : 3 * block] = 0  # blocks 1 and 2
+    x[4 * block :] = 0  # the partial last block and block 4
+    q, scales = ops.quantize_blockwise(x, bits, block, stochastic, seed=3, scale=scale)
+    decoded = ops.dequantize_blockwise(q, scales, bits, block, x.numel())
+    assert torch.equal(scales[[1, 2, 4, 5]], torch.zeros(4))
+    zero = x == 0
+    assert torch.equal(decoded[zero], torch.zeros(int(zero.sum())))
+    assert torch.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize("scale", ["absmax", "norm"])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize(
+    "planted", [[math.inf], [-math.inf], [math.nan], [math.inf, math.nan], [math.nan, -math.inf]]
+)
+def test_quantize_non_finite_block_decodes_non_finite_others_unchanged(scale, stochastic, planted):
+    block, numel = 100, 1023
+    x = seeded_randn(numel, seed=9)
+    clean = x.clone()
+    clean[300:400] = 0
+    positions = [317, 388][: len(planted)]
+    for position, value in zip(positions, planted, strict=True):
+        x[position] = value
+    args = (4, block, stochastic, 11)
+    q, scales = ops.quantize_blockwise(x, *args, levels=7, scale=scale)
+    decoded = ops.dequantize_blockwise(q, scales, 4, block, numel, levels=7)
+    assert not torch.isfinite(decoded[positions]).any(), "a planted non-finite value decoded finite"
+    # Blocks are independent: every other block decodes as without the planted values.
+    q_clean, scales_clean = ops.quantize_blockwise(clean, *args, levels=7, scale=scale)
+    decoded_clean = ops.dequantize_blockwise(q_clean, scales_clean, 4, block, numel, levels=7)
+    others = torch.ones(numel, dtype=torch.bool)
+    others[300:400] = False
+    assert torch.isfinite(decoded[others]).all()
+    assert torch.equal(decoded[others], decoded_clean[others])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("scale, magnitude", [("absmax", 3e38), ("norm", 3e19)])
+def test_quantize_large_finite_values_decode_finite(stochastic, scale, magnitude):
+    """Values whose block scale is representable in fp32 must decode finite and close.
+
+    For "norm" the block's L2 norm (about 4.2e19 here) is far below fp32's max,
+    even though its square is not.
+    """
+    x = torch.tensor([magnitude, -magnitude, magnitude / 2, 0.0])
+    q, scales = ops.quantize_blockwise(x, 4, 4, stochastic, 1, levels=7, scale=scale)
+    decoded = ops.dequantize_blockwise(q, scales, 4, 4, 4, levels=7)
+    assert torch.isfinite(scales).all(), scales
+    assert torch.isfinite(decoded).all(), decoded
+    assert ((decoded - x).abs() <= scales + 4 * EPS32 * x.abs()).all()
+
+
+def test_quantize_one_bit_default_levels_rejected():
+    """bits=1 leaves ``2 ** 0 - 1 = 0`` levels: nothing but zero is representable, so it must be refused
+    (instead it divides by zero levels and decodes finite input, even all-zero blocks, to NaN/inf)."""
+    x = torch.tensor([1.0, -2.0, 0.0, 0.0])
+    with pytest.raises(ValueError):
+        ops.quantize_blockwise(x, 1, 2)
+
+
+def test_dequantize_out_and_accumulate():
+    x = seeded_randn(1000, seed=12)
+    q, scales = ops.quantize_blockwise(x, 8, 256)
+    decoded = ops.dequantize_blockwise(q, scales, 8, 256, 1000)
+    base = seeded_randn(1000, seed=13)
+    out = base.clone()
+    result = ops.dequantize_blockwise(q, scales, 8, 256, 1000, out=out, accumulate=True)
+    assert result is out
+    assert torch.equal(out, base + decoded)
+    out = base.clone().view(10, 100)
+    ops.dequantize_blockwise(q, scales, 8, 256, 1000, out=out)
+    assert torch.equal(out.view(-1), decoded)
+
+
+# ============================================================================= fused error feedback
+
+
+def _quantize_case(bits, stochastic, scale, levels=None):
+    block = 100
+
+    def run(x, residual):
+        q, scales = ops.quantize_blockwise(
+            x, bits, block, stochastic, 5, residual, levels=levels, scale=scale
+        )
+        return ops.dequantize_blockwise(q, scales, bits, block, x.numel(), levels=levels)
+
+    return run, False
+
+
+def _sign_case():
+    def run(x, residual):
+        packed, scales = ops.sign_compress(x, 100, residual)
+        return ops.sign_decompress(packed, scales, 100, x.numel())
+
+    return run, False
+
+
+def _topk_case(exact):
+    def run(x, residual):
+        values, indices = ops.topk_select(x, 50, residual, exact, seed=4)
+        return ops.scatter_add(indices, values, torch.zeros(x.numel()))
+
+    return run, True
+
+
+def _randk_case(rescale):
+    def run(x, residual):
+        k = 50
+        scale = x.numel() / k if rescale else 1.0
+        values = ops.randk_select(x, k, 8, residual, scale=scale)
+        indices = ops.randk_indices(x.numel(), k, 8)
+        return ops.scatter_add(indices, values, torch.zeros(x.numel()))
+
+    # Without rescaling the sent values are copies: conservation is exact.
+    return run, not rescale
+
+
+FUSED_CASES = {
+    "int8": _quantize_case(8, False, "absmax"),
+    "int8-stochastic": _quantize_case(8, True, "absmax"),
+    "int4": _quantize_case(4, False, "absmax"),
+    "int4-stochastic": _quantize_case(4, True, "absmax"),
+    "int2": _quantize_case(2, False, "absmax"),
+    "qsgd": _quantize_case(4, True, "norm", levels=7),
+    "sign": _sign_case(),
+    "topk-exact": _topk_case(True),
+    "topk-approximate": _topk_case(False),
+    "randk": _randk_case(False),
+    "randk-rescale": _randk_case(True),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_error_feedback_conserves(case, dtype):
+    run, exact = FUSED_CASES[case]
+    numel = 1023
+    residual = seeded_randn(numel, seed=21) * 0.3
+    for step in range(3):
+        x = seeded_randn(numel, seed=100 + step, dtype=dtype)
+        y = x.float() + residual
+        residual_before = residual.clone()
+        decoded = run(x, residual)
+        assert_conserved(decoded, residual, y, exact)
+        assert not torch.equal(residual, residual_before), "the residual was not updated in place"
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("planted", [math.inf, -math.inf, math.nan])
+def test_fused_residual_stays_finite(case, planted):
+    run, _ = FUSED_CASES[case]
+    numel = 1023
+    residual = seeded_randn(numel, seed=22)
+    x = seeded_randn(numel, seed=23)
+    x[[5, 640]] = planted
+    decoded = run(x, residual)
+    assert torch.isfinite(residual).all()
+    assert not torch.isfinite(decoded).all(), "a non-finite input was hidden"
+
+
+# ============================================================================= unbiasedness
+
+
+def _stochastic_mean(x: torch.Tensor, block: int, levels: int, scale: str, trials: int) -> torch.Tensor:
+    bits = reference.code_bits(levels)
+    total = torch.zeros(x.numel(), dtype=torch.float64)
+    for seed in range(trials):
+        q, scales = ops.quantize_blockwise(x, bits, block, True, seed, levels=levels, scale=scale)
+        total += ops.dequantize_blockwise(q, scales, bits, block, x.numel(), levels=levels).double()
+    return (total / trials).float()
+
+
+@pytest.mark.parametrize("scale, levels", [("absmax", 7), ("absmax", 1), ("norm", 7), ("norm", 2)])
+def test_stochastic_rounding_is_unbiased(scale, levels):
+    numel, block, trials = 300, 64, 1500
+    x = seeded_randn(numel, seed=31)
+    mean = _stochastic_mean(x, block, levels, scale, trials)
+    blocks = block_view(x, block)
+    magnitude = blocks.abs().amax(dim=1) if scale == "absmax" else blocks.norm(dim=1)
+    step = (magnitude / levels).repeat_interleave(block)[:numel]
+    fraction = x / step - torch.floor(x / step)
+    # floor(t + u) takes ceil(t) with probability frac(t): a Bernoulli of that p times the step.
+    variance = step.pow(2) * fraction * (1 - fraction)
+    assert_unbiased(mean, x, variance, trials)
+
+
+def test_round_to_nearest_mean_is_not_unbiased():
+    """The unbiasedness check can fail: round-to-nearest violates it."""
+    numel, block = 300, 64
+    x = seeded_randn(numel, seed=31)
+    q, scales = ops.quantize_blockwise(x, 4, block, False, levels=7)
+    decoded = ops.dequantize_blockwise(q, scales, 4, block, numel, levels=7)
+    step = (scales).repeat_interleave(block)[:numel]
+    fraction = x / step - torch.floor(x / step)
+    variance = step.pow(2) * fraction * (1 - fraction)
+    with pytest.raises(AssertionError):
+        assert_unbiased(decoded, x, variance, 1500)
+
+
+# ============================================================================= sign
+
+
+@pytest.mark.parametrize("numel, block", [(1, 64), (1023, 100), (4097, 1024)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sign_magnitude_is_block_mean_and_sign_matches(numel, block, dtype):
+    x = seeded_randn(numel, seed=41, dtype=dtype)
+    x[0] = 0  # zero counts as non-negative
+    packed, scales = ops.sign_compress(x, block)
+    assert packed.numel() == math.ceil(numel / 8)
+    assert scales.numel() == math.ceil(numel / block)
+    decoded = ops.sign_decompress(packed, scales, block, numel)
+    y = x.float()
+    mean_abs = torch.stack([chunk.abs().mean() for chunk in y.split(block)])
+    torch.testing.assert_close(scales, mean_abs, rtol=4 * EPS32, atol=0)
+    expected = torch.where(y >= 0, 1.0, -1.0) * scales.repeat_interleave(block)[:numel]
+    assert torch.equal(decoded, expected)
+
+
+# ============================================================================= top-k
+
+
+@pytest.mark.parametrize("numel, k", [(1, 1), (1023, 1), (1023, 100), (4097, 4097), (4097, 409)])
+def test_topk_exact_returns_the_k_largest(numel, k):
+    x = seeded_randn(numel, seed=numel + k)
+    values, indices = ops.topk_select(x, k, exact=True)
+    assert values.numel() == k and indices.numel() == k
+    assert indices.dtype == torch.int32
+    assert torch.unique(indices).numel() == k
+    assert torch.equal(values, x[indices.long()])
+    expected = torch.topk(x.abs(), k).values
+    assert torch.equal(values.abs().sort(descending=True).values, expected)
+
+
+@pytest.mark.parametrize("numel, ratio", [(10_000, 0.1), (50_000, 0.01), (200_000, 0.01), (200_000, 0.05)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topk_approximate_is_a_threshold_selection(numel, ratio, seed):
+    x = seeded_randn(numel, seed=seed + 50)
+    k = round(ratio * numel)
+    values, indices = ops.topk_select(x, k, seed=seed)
+    assert math.ceil(0.9 * k) <= values.numel() <= math.floor(1.1 * k)
+    assert torch.unique(indices).numel() == indices.numel()
+    assert torch.equal(values, x[indices.long()])
+    unselected = torch.ones(numel, dtype=torch.bool)
+    unselected[indices.long()] = False
+    assert values.abs().min() >= x[unselected].abs().max()
+
+
+@pytest.mark.parametrize("numel, k", [(1023, 100), (50_000, 500)])
+def test_topk_approximate_with_ties_keeps_the_count_bound(numel, k):
+    """Tied magnitudes put every element over the threshold; the count must still be near k."""
+    generator = torch.Generator().manual_seed(numel)
+    x = torch.randint(0, 2, (numel,), generator=generator).float() * 2 - 1
+    x[:7] = 4.0
+    values, indices = ops.topk_select(x, k, seed=3)
+    assert math.ceil(0.9 * k) <= values.numel() <= math.floor(1.1 * k)
+    assert torch.unique(indices).numel() == indices.numel()
+    assert set(range(7)) <= set(indices.tolist())
+    assert values.abs().min() == 1.0
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("numel, k", [(1023, 5), (50_000, 500)])
+def test_topk_always_selects_non_finite(exact, numel, k):
+    x = seeded_randn(numel, seed=61)
+    planted = {3: math.nan, numel // 2: math.inf, numel - 1: -math.inf}
+    for position, value in planted.items():
+        x[position] = value
+    values, indices = ops.topk_select(x, k, exact=exact, seed=7)
+    assert set(planted) <= set(indices.tolist())
+    assert not torch.isfinite(values).all()
+
+
+def test_topk_index_dtype_and_bad_k():
+    x = seeded_randn(100, seed=62)
+    assert ops.topk_select(x, 5, index_dtype=torch.int64)[1].dtype == torch.int64
+    for k in (0, 101, -1):
+        with pytest.raises(ValueError):
+            ops.topk_select(x, k)
+
+
+# ============================================================================= random-k
+
+
+@pytest.mark.parametrize("numel, k", [(1, 1), (10, 10), (10, 3), (1000, 10), (1000, 500), (100_000, 1000)])
+def test_randk_indices_distinct_sorted_in_range_and_seeded(numel, k):
+    indices = ops.randk_indices(numel, k, seed=123)
+    assert indices.dtype == torch.int64 and indices.numel() == k
+    assert (indices[1:] > indices[:-1]).all(), "not strictly ascending (so not distinct, or unsorted)"
+    assert indices.min() >= 0 and indices.max() < numel
+    assert torch.equal(indices, ops.randk_indices(numel, k, seed=123))
+    if k < numel:
+        assert not torch.equal(indices, ops.randk_indices(numel, k, seed=124))
+
+
+@pytest.mark.parametrize("numel, k, seeds", [(50, 5, 4000), (20, 10, 2000), (1000, 100, 1000)])
+def test_randk_indices_uniform(numel, k, seeds):
+    """Each index is picked with probability k / numel: a chi-square test over many seeds.
+
+    (50, 5) and (1000, 100) use the sparse draw-and-unique path, (20, 10) the permutation path.
+    """
+    counts = torch.zeros(numel, dtype=torch.float64)
+    for seed in range(seeds):
+        counts[ops.randk_indices(numel, k, seed)] += 1
+    expected = seeds * k / numel
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    degrees = numel - 1
+    # Sampling without replacement only shrinks the spread; 5 sd of chi2(df) above its mean.
+    assert chi_square < degrees + 5 * math.sqrt(2 * degrees), chi_square
+    # Position bias (e.g. favouring low indices) would move the mean index.
+    mean_index = (counts * torch.arange(numel)).sum().item() / counts.sum().item()
+    index_sd = math.sqrt((numel**2 - 1) / 12 / (seeds * k))
+    assert abs(mean_index - (numel - 1) / 2) < 5 * index_sd
+
+
+@pytest.mark.parametrize("planted", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("numel, k", [(1023, 10), (5000, 4000)])
+def test_randk_select_never_hides_non_finite(planted, numel, k):
+    x = seeded_randn(numel, seed=71)
+    indices = ops.randk_indices(numel, k, seed=9)
+    unpicked = torch.ones(numel, dtype=torch.bool)
+    unpicked[indices] = False
+    position = int(torch.nonzero(unpicked)[-1])
+    x[position] = planted
+    values = ops.randk_select(x, k, 9)
+    assert torch.isnan(values).any()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_randk_select_values_are_scaled_picks(scale):
+    x = seeded_randn(1023, seed=72)
+    values = ops.randk_select(x, 30, 10, scale=scale)
+    assert torch.equal(values, x[ops.randk_indices(1023, 30, 10)] * scale)
+
+
+def test_randk_select_finite_input_stays_finite():
+    """Finite values whose fp32 sum overflows must not turn a sent value into NaN."""
+    x = torch.tensor([3e38, 3e38, 1.0, 2.0])
+    values = ops.randk_select(x, 2, 0)
+    assert torch.isfinite(values).all(), values
+
+
+def test_randk_rescaled_is_unbiased():
+    numel, k, trials = 200, 20, 3000
+    x = seeded_randn(numel, seed=73)
+    total = torch.zeros(numel, dtype=torch.float64)
+    for seed in range(trials):
+        values = ops.randk_select(x, k, seed, scale=numel / k)
+        total[ops.randk_indices(numel, k, seed)] += values.double()
+    mean = (total / trials).float()
+    # Sent with probability k / n as x * n / k: variance x^2 (n / k - 1).
+    variance = x.pow(2) * (numel / k - 1)
+    assert_unbiased(mean, x, variance, trials)
+
+
+# ============================================================================= scatter_add
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_scatter_add_sums_repeated_indices(index_dtype):
+    indices = torch.tensor([0, 2, 2, 0, 5, 2], dtype=index_dtype)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 0.5])
+    out = torch.full((2, 3), 10.0)
+    result = ops.scatter_add(indices, values, out)
+    assert result is out
+    assert out.view(-1).tolist() == [15.0, 10.0, 15.5, 10.0, 10.0, 15.0]
+
+
+# ============================================================================= dispatch
+
+
+def _call_every_op(x: torch.Tensor) -> None:
+    q, scales = ops.quantize_blockwise(x, 8, 64)
+    ops.dequantize_blockwise(q, scales, 8, 64, x.numel())
+    ops.sign_compress(x, 64)
+    ops.topk_select(x, 3)
+    ops.randk_select(x, 3, 0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda", "TRITON"])
+def test_forced_unavailable_backend_raises(monkeypatch, backend):
+    monkeypatch.setenv("GRADCOMP_BACKEND", backend)
+    x = seeded_randn(100, seed=81)
+    with pytest.raises(RuntimeError, match="GRADCOMP_BACKEND"):
+        ops.quantize_blockwise(x, 8, 64)
+    for op in ops.OP_NAMES:
+        with pytest.raises(RuntimeError):
+            ops.implementation(op, x.device)
+
+
+def test_forced_bogus_backend_raises(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        ops.topk_select(seeded_randn(100, seed=82), 3)
+
+
+@pytest.mark.parametrize("setting", ["torch", " Torch ", ""])
+def test_forced_torch_backend_runs_the_reference(monkeypatch, setting):
+    monkeypatch.setenv("GRADCOMP_BACKEND", setting)
+    x = seeded_randn(1000, seed=83)
+    _call_every_op(x)
+    for op in ops.OP_NAMES:
+        assert ops.implementation(op, x.device) is getattr(reference, op)
+    q, scales = ops.quantize_blockwise(x, 4, 100, True, 3)
+    q_ref, scales_ref = reference.quantize_blockwise(x, 4, 100, True, 3)
+    assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
