@@ -41,7 +41,17 @@ class BuildWithFatbins(build_py):
             target_root.mkdir(parents=True, exist_ok=True)
             for source in sources:
                 target = target_root / (source.stem + ".fatbin")
-                command = [nvcc, "--fatbin", "-O3", "-I", str(ROOT / "csrc"), *nvcc_flags(archs), "-o", str(target), str(source)]
+                command = [
+                    nvcc,
+                    "--fatbin",
+                    "-O3",
+                    "-I",
+                    str(ROOT / "csrc"),
+                    *nvcc_flags(archs),
+                    "-o",
+                    str(target),
+                    str(source),
+                ]
                 print("gradcomp:", " ".join(command))
                 subprocess.run(command, check=True)
 

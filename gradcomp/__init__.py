@@ -8,8 +8,7 @@ Example:
     >>> gradcomp.ddp.register(ddp_model, "topk", ratio=0.01)
 """
 
-from gradcomp import ops
-from gradcomp import collectives, ddp
+from gradcomp import collectives, ddp, ops
 from gradcomp.collectives import all_reduce
 from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
 from gradcomp.feedback import ErrorFeedback

@@ -38,7 +38,9 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
+from gradcomp import ops
 from gradcomp.compressors import Compressor, Context, get_compressor, mix_seed
+from gradcomp.compressors.base import check_tensor
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload, buffer_size
 
@@ -53,10 +55,16 @@ _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
 class ReduceStats:
     """What one compressed all-reduce cost and how exact it was (this rank).
 
+    Bytes are counted as nccl-tests counts bus bandwidth: what this rank
+    sends under the bandwidth-optimal (ring) schedule of each collective,
+    from the payload buffers' real sizes. A ring all-reduce of ``n`` bytes
+    sends ``2 (W-1)/W n``, an all-gather of ``n`` bytes per rank ``(W-1) n``,
+    an all-to-all the chunks meant for other ranks.
+
     Attributes:
-        bytes_sent: bytes this rank handed to collectives (payload buffers;
-            chunks it keeps for itself are not counted).
-        dense_bytes: bytes a dense all-reduce would hand over (numel * itemsize).
+        bytes_sent: bytes this rank sends.
+        dense_bytes: bytes it would send in a dense ring all-reduce of the
+            tensor (``2 (W-1)/W * numel * itemsize``).
         compress_seconds: wall time spent compressing and decoding.
         error_sq, input_sq: squared norms of (decoded - input) and of the
             input (input + residual), summed; NaN when not measured.
@@ -72,7 +80,8 @@ class ReduceStats:
 
     @property
     def ratio(self) -> float:
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+        """dense_bytes / bytes_sent (NaN when nothing is sent, e.g. one rank)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.nan
 
     @property
     def relative_error(self) -> float:
@@ -195,6 +204,11 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -332,7 +346,8 @@ def _residual(job: Job, name: Hashable, like: torch.Tensor) -> torch.Tensor | No
 def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
     """Run ``job`` on ``q``'s group, blocking; called on the queue's worker thread."""
     tensor = job.tensor
-    stats = ReduceStats(dense_bytes=tensor.numel() * tensor.element_size(), algorithm=job.algorithm)
+    dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
+    stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
     if tensor.numel() == 0:
         return stats
     verify_agreement(q, _fingerprint(job.compressor, tensor, job.algorithm, job.op))
@@ -370,7 +385,7 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
         residual.mul_(divide)
     for wire in payload.tensors.values():
         dist.all_reduce(wire, group=q.group)
-        stats.bytes_sent += wire.numel() * wire.element_size()
+        stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
     with _Timer(stats):
         job.compressor.decompress(payload, out=flat)
 
@@ -385,7 +400,7 @@ def _decode_sum(
 ) -> torch.Tensor:
     """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same bits), in fp32."""
     total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device)
-    for buffer, meta in zip(buffers, metas):
+    for buffer, meta in zip(buffers, metas, strict=True):
         layout = compressor.payload_layout(numel, dtype, meta)
         payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
         compressor.decompress(payload, out=total, accumulate=True)
@@ -407,11 +422,11 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         _all_gather(everyone, mine.to(flat.device), q.group)
         rows = everyone.view(q.world_size, -1).tolist()
         sizes = [row[0] for row in rows]
-        metas = [dict(zip(meta_keys, row[1:])) for row in rows]
+        metas = [dict(zip(meta_keys, row[1:], strict=True)) for row in rows]
     width = max(sizes)
     gathered = torch.empty(q.world_size * width, dtype=torch.uint8, device=flat.device)
     _all_gather(gathered, payload.to_buffer(width), q.group)
-    stats.bytes_sent += size
+    stats.bytes_sent += width * (q.world_size - 1)
     with _Timer(stats):
         buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
         total = _decode_sum(job.compressor, buffers, metas, flat.numel(), flat.dtype, job.op)
@@ -451,7 +466,7 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     padded[: own.numel()] = own
     gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
     _all_gather(gathered, padded, q.group)
-    stats.bytes_sent += own.numel()
+    stats.bytes_sent += width * (world - 1)
     with _Timer(stats):
         for j, (start, end) in enumerate(bounds):
             layout = compressor.payload_layout(end - start, flat.dtype, {})
@@ -515,9 +530,8 @@ def all_reduce(
     compressor = get_compressor(compressor)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    from gradcomp.compressors.base import check_tensor
-
     check_tensor(tensor)
+    ops.check_forced_backend()
     op = resolve_op(op)
     algorithm = check_algorithm(compressor, algorithm)
     memory, counters = _default_memory(compressor)

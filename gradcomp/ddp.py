@@ -25,7 +25,6 @@ How the hook keeps a training run safe:
   so the run continues bit for bit.
 """
 
-
 import dataclasses
 import logging
 import math
@@ -33,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from gradcomp import ops
 from gradcomp.collectives import Job, ReduceStats, check_algorithm, queue_for, run_job
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
@@ -51,8 +51,8 @@ class StepStats:
 
     Attributes:
         step: hook step (one per synchronised backward pass).
-        bytes_sent: bytes handed to collectives (see ``ReduceStats``).
-        dense_bytes: bytes a dense all-reduce of the same buckets would hand over.
+        bytes_sent: bytes this rank sent (ring model, see ``ReduceStats``).
+        dense_bytes: bytes a dense ring all-reduce of the same buckets sends.
         compress_seconds: wall time compressing and decoding.
         relative_error: ``||decoded - input|| / ||input||`` of this rank's own
             compression over the compressed buckets (NaN when not measured,
@@ -72,8 +72,8 @@ class StepStats:
 
     @property
     def ratio(self) -> float:
-        """Compression ratio: dense bytes / bytes sent."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+        """Compression ratio: dense bytes / bytes sent (NaN on a single rank)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.nan
 
     def add(self, reduced: ReduceStats, compressed: bool) -> None:
         self.bytes_sent += reduced.bytes_sent
@@ -144,6 +144,7 @@ class HookState:
         history: int = 10_000,
     ):
         self.compressor = get_compressor(compressor)
+        ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -229,7 +230,7 @@ class HookState:
             residual = self.feedback.pop(index)
             if residual is None:
                 continue
-            for (number, _), piece in zip(layout, residual.split([n for _, n in layout])):
+            for (number, _), piece in zip(layout, residual.split([n for _, n in layout]), strict=True):
                 self._pieces[number] = piece.clone()
         self._layouts = {}
 
@@ -280,7 +281,9 @@ class HookState:
         held, self._held = self._held, []
         views = {}
         for buffer, layout, _ in held:
-            for (number, numel), view in zip(layout, buffer.view(-1).split([n for _, n in layout])):
+            for (number, numel), view in zip(
+                layout, buffer.view(-1).split([n for _, n in layout]), strict=True
+            ):
                 views[number] = (numel, view)
         restored = self._restored_layouts
         wanted = {number: numel for layout in restored.values() for number, numel in layout}
@@ -294,10 +297,9 @@ class HookState:
             layout = restored[index]
             flat = torch.cat([views[number][1] for number, _ in layout])
             self._reduce(flat, index, layout, step, position == len(indices) - 1, q)
-            for (number, _), piece in zip(layout, flat.split([n for _, n in layout])):
+            for (number, _), piece in zip(layout, flat.split([n for _, n in layout]), strict=True):
                 views[number][1].copy_(piece)
         self._restored_layouts = None
-
 
 
 def _future(device: torch.device) -> torch.futures.Future:
@@ -328,7 +330,14 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             q.submit(lambda: _finish_held(state, step, q), buffer.device)
         return future
     state._restored_layouts = None
-    return q.submit(lambda: state._reduce(buffer, index, layout, step, last, q) or buffer, buffer.device)
+    future = q.submit(lambda: state._reduce(buffer, index, layout, step, last, q) or buffer, buffer.device)
+    return future.then(_value)
+
+
+def _value(future: torch.futures.Future) -> torch.Tensor:
+    # Re-raised inside a callback, a worker error reaches the training loop
+    # with its type and message (a bare failed Future reaches DDP garbled).
+    return future.value()
 
 
 def _finish_held(state: HookState, step: int, q) -> None:
@@ -343,10 +352,20 @@ def _finish_held(state: HookState, step: int, q) -> None:
         future.set_result(buffer)
 
 
-_STATE_OPTIONS = ("process_group", "warmup_steps", "min_numel", "algorithm", "residual_dtype", "measure_error", "history")
+_STATE_OPTIONS = (
+    "process_group",
+    "warmup_steps",
+    "min_numel",
+    "algorithm",
+    "residual_dtype",
+    "measure_error",
+    "history",
+)
 
 
-def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str, **options) -> HookState:
+def register(
+    model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str, **options
+) -> HookState:
     """Register gradcomp's hook on ``model`` in one call and return its state.
 
     ``options`` holds both :class:`HookState` options (``warmup_steps``,

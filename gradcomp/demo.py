@@ -34,6 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+from gradcomp.collectives import ring_all_reduce_bytes
 
 # Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
 TORCH_RUNS = {"dense": 4, "fp16_hook": 2}
@@ -70,9 +71,10 @@ class Row:
 
     Attributes:
         label: the run's name in the table.
-        bytes_per_step: bytes one rank handed to collectives per step
-            (gradcomp: ``StepStats.bytes_sent`` averaged over steps; dense and
-            torch's fp16 hook: gradient elements times 4 or 2).
+        bytes_per_step: bytes one rank sends per step, counted for a ring
+            schedule like nccl-tests' bus bandwidth (gradcomp:
+            ``StepStats.bytes_sent`` averaged over steps; dense and torch's
+            fp16 hook: a ring all-reduce of 4 or 2 bytes per element).
         ratio: dense bytes / ``bytes_per_step``.
         step_ms: median wall time of one training step (forward, backward
             with its communication, optimiser step).
@@ -189,10 +191,9 @@ def train(name: str, position: str, data: dict, setup: Setup, show_progress: boo
         test_accuracy = (net(data["x_test"]).argmax(1) == data["y_test"]).float().mean().item()
     numel = sum(p.numel() for p in net.parameters())
     if state is None:
-        sent = numel * TORCH_RUNS[name]
-        stats = dict(
-            ratio=numel * TORCH_RUNS["dense"] / sent, compress_ms=math.nan, relative_error=math.nan, buckets=0
-        )
+        sent = ring_all_reduce_bytes(numel * TORCH_RUNS[name], world_size)
+        dense = ring_all_reduce_bytes(numel * TORCH_RUNS["dense"], world_size)
+        stats = dict(ratio=dense / sent, compress_ms=math.nan, relative_error=math.nan, buckets=0)
     else:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
         stats = dict(
@@ -265,7 +266,7 @@ def run_demo(
             fp16 hook) or gradcomp compressor names (``topk`` and ``randk``
             keep 1% of the elements).
         epochs: passes over the training set.
-        world_size: processes to spawn.
+        world_size: processes to spawn (at least 2).
         show_progress: rewrite one progress line on stderr while training
             (default: when stderr is a terminal).
 
@@ -273,13 +274,16 @@ def run_demo(
         One :class:`Row` per name, in order.
 
     Raises:
-        ValueError: an unknown name; ``torch.multiprocessing.ProcessRaisedException``
-            when a rank fails.
+        ValueError: an unknown name or a setting out of range.
+        torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback included).
     """
     names = list(names)
     check_runs(names)
-    if world_size < 1 or epochs < 1:
-        raise ValueError(f"world_size and epochs must be at least 1, got {world_size} and {epochs}")
+    if world_size < 2 or epochs < 1:
+        # One rank sends nothing: there would be no communication to compare.
+        raise ValueError(
+            f"world_size must be at least 2 and epochs at least 1, got {world_size} and {epochs}"
+        )
     setup = Setup(epochs=epochs)
     if show_progress is None:
         show_progress = sys.stderr.isatty()

@@ -108,9 +108,7 @@ class Compressor:
         check_tensor(tensor)
         ctx = ctx or Context()
         if ctx.residual is not None and ctx.residual.numel() != tensor.numel():
-            raise ValueError(
-                f"residual has {ctx.residual.numel()} elements, tensor has {tensor.numel()}"
-            )
+            raise ValueError(f"residual has {ctx.residual.numel()} elements, tensor has {tensor.numel()}")
         tensors, meta = self._encode(tensor.reshape(-1), ctx)
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 

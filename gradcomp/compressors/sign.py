@@ -33,7 +33,10 @@ class Sign(Compressor):
         self.block = check_positive_int("block", block)
 
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
-        return [("scales", torch.float32, math.ceil(numel / self.block)), ("signs", torch.uint8, math.ceil(numel / 8))]
+        return [
+            ("scales", torch.float32, math.ceil(numel / self.block)),
+            ("signs", torch.uint8, math.ceil(numel / 8)),
+        ]
 
     def _encode(self, flat: torch.Tensor, ctx: Context):
         signs, scales = ops.sign_compress(flat, self.block, ctx.residual)

@@ -148,5 +148,7 @@ class RandK(Compressor):
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         values = payload.tensors["values"]
-        indices = reference.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], values.device)
+        indices = reference.randk_indices(
+            payload.numel, payload.meta["k"], payload.meta["seed"], values.device
+        )
         return _decode_sparse(indices, values, payload.numel, out, accumulate)

@@ -69,15 +69,22 @@ def forced_backend() -> str | None:
     return name
 
 
+def check_forced_backend() -> None:
+    """Raise now, not at the first op, if ``GRADCOMP_BACKEND`` names a backend
+    that is unknown or not installed."""
+    forced = forced_backend()
+    if forced is not None and forced not in _REGISTRY:
+        raise RuntimeError(
+            f"GRADCOMP_BACKEND={forced} requested but that backend is not installed "
+            "(its package or toolchain is missing)"
+        )
+
+
 def implementation(op: str, device: torch.device) -> Callable:
     """The function that runs ``op`` for tensors on ``device``."""
+    check_forced_backend()
     forced = forced_backend()
     if forced is not None:
-        if forced not in _REGISTRY:
-            raise RuntimeError(
-                f"GRADCOMP_BACKEND={forced} requested but that backend is not installed "
-                "(its package or toolchain is missing)"
-            )
         is_available, functions = _REGISTRY[forced]
         if op not in functions:
             raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it has no {op!r} op")
@@ -113,4 +120,12 @@ randk_indices = reference.randk_indices
 index_dtype_for = reference.index_dtype_for
 code_bits = reference.code_bits
 
-__all__ = [*OP_NAMES, "code_bits", "implementation", "index_dtype_for", "randk_indices", "register_backend"]
+__all__ = [
+    *OP_NAMES,
+    "check_forced_backend",
+    "code_bits",
+    "implementation",
+    "index_dtype_for",
+    "randk_indices",
+    "register_backend",
+]

@@ -350,7 +350,9 @@ def topk_select(
     return values, indices.to(index_dtype or index_dtype_for(numel))
 
 
-def _keep_unsent(residual: torch.Tensor | None, y: torch.Tensor, indices: torch.Tensor, lost: torch.Tensor) -> None:
+def _keep_unsent(
+    residual: torch.Tensor | None, y: torch.Tensor, indices: torch.Tensor, lost: torch.Tensor
+) -> None:
     """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``."""
     if residual is None:
         return

@@ -1,0 +1,244 @@
+"""gradcomp.all_reduce against dense all-reduce and against local decoding, on Gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import gather, run_ranks, same_on_all_ranks
+
+import gradcomp
+from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm
+from gradcomp.compressors import Context
+
+SIZES = (1, 1000, 4097)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Relative error of the averaged result against the exact average, per
+# compressor, for independent Gaussian inputs (two compressions for two_phase).
+ERROR_BOUND = {
+    "none": 1e-6,
+    "fp16": 2e-3,
+    "bf16": 2e-2,
+    "int8": 0.03,
+    "int4": 0.4,
+    "int2": 1.6,
+    "qsgd": 2.5,
+    "sign": 1.2,
+    "topk": 1.0,
+    "randk": 1.0,
+}
+DTYPE_SLACK = {torch.float32: 0.0, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def valid_algorithms(compressor) -> list[str]:
+    out = []
+    for algorithm in ALGORITHMS:
+        try:
+            gradcomp.collectives.check_algorithm(compressor, algorithm)
+        except ValueError:
+            continue
+        out.append(algorithm)
+    return out
+
+
+def _input(rank: int, numel: int, dtype, salt: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + numel + salt)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
+    for name in gradcomp.COMPRESSORS:
+        compressor = gradcomp.get_compressor(name)
+        for algorithm in valid_algorithms(compressor):
+            for numel in SIZES:
+                for dtype in DTYPES:
+                    x = _input(rank, numel, dtype)
+                    exact = torch.stack([t.double() for t in gather(x)]).mean(0)
+                    result = x.clone()
+                    stats = gradcomp.all_reduce(result, compressor, algorithm=algorithm, feedback=False)
+                    where = f"{name}/{algorithm}/{numel}/{dtype}"
+                    assert result.dtype == dtype and result.shape == x.shape, where
+                    assert same_on_all_ranks(result), f"ranks differ: {where}"
+                    error = (result.double() - exact).norm() / exact.norm().clamp_min(1e-12)
+                    bound = ERROR_BOUND[name] + DTYPE_SLACK[dtype]
+                    if numel > 1 or name in ("none", "fp16", "bf16", "int8"):
+                        assert error <= bound, f"{where}: relative error {error:.4f} > {bound}"
+                    dense_bytes = 2 * (world_size - 1) * numel * x.element_size() // world_size
+                    assert stats.algorithm == algorithm and stats.dense_bytes == dense_bytes
+                    assert stats.bytes_sent > 0, where
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_compressor_and_algorithm_matches_dense_average(world_size):
+    run_ranks(_every_compressor_and_algorithm, world_size)
+
+
+def _none_is_dense_all_reduce(rank: int, world_size: int) -> None:
+    for algorithm in ALGORITHMS:
+        x = _input(rank, 5000, torch.float32)
+        expected = x / world_size
+        dist.all_reduce(expected)
+        result = x.clone()
+        gradcomp.all_reduce(result, "none", algorithm=algorithm)
+        torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
+        summed = x.clone()
+        gradcomp.all_reduce(summed, "none", op="sum", algorithm=algorithm)
+        torch.testing.assert_close(summed, expected * world_size, rtol=1e-5, atol=1e-5)
+
+
+def test_none_equals_torch_all_reduce():
+    run_ranks(_none_is_dense_all_reduce, 3)
+
+
+def _allgather_equals_local_decoding(rank: int, world_size: int) -> None:
+    # The allgather result is, bit for bit, the rank-ordered sum of every
+    # rank's own decoded payload (each rank compresses with its own Context).
+    for name in ("int8", "int4", "sign", "topk", "qsgd"):
+        compressor = gradcomp.get_compressor(name)
+        x = _input(rank, 3001, torch.float32, salt=7)
+        everyone = gather(x)
+        expected = torch.zeros(3001)
+        for r, tensor in enumerate(everyone):
+            payload = compressor.compress(tensor, Context(step=0, key=99, rank=r))
+            compressor.decompress(payload, out=expected, accumulate=True)
+        expected /= world_size
+        result = x.clone()
+        gradcomp.all_reduce(result, compressor, algorithm="allgather", feedback=False, name=99, step=0)
+        assert torch.equal(result, expected), name
+
+
+def test_allgather_is_bit_exact_sum_of_local_decodings():
+    run_ranks(_allgather_equals_local_decoding, 3)
+
+
+def _feedback_loses_nothing(rank: int, world_size: int) -> None:
+    # Sum over ranks of what went in (input + old residuals) equals what came
+    # out (W * average) plus what stayed behind (new residuals), for every
+    # biased compressor and algorithm, over several steps.
+    for name in ("int8", "int2", "sign", "topk", "randk"):
+        compressor = gradcomp.get_compressor(name)
+        for algorithm in valid_algorithms(compressor):
+            memory = gradcomp.ErrorFeedback()
+            for step in range(3):
+                x = _input(rank, 2049, torch.float32, salt=step)
+                before = {k: memory.get(k).clone() for k in memory.keys()}
+                result = x.clone()
+                gradcomp.all_reduce(result, compressor, algorithm=algorithm, feedback=memory, name="g")
+                worker_in = x + before.get(gradcomp.collectives.key_of("g"), torch.zeros(2049))
+                worker_kept = memory.get(gradcomp.collectives.key_of("g"))
+                sent = torch.stack(gather(worker_in - worker_kept)).double().sum(0)
+                if algorithm == "two_phase":
+                    # The chunk owner's server residual took part of the sum too.
+                    key = ("two_phase", gradcomp.collectives.key_of("g"))
+                    old = before.get(key, torch.zeros_like(memory.get(key)))
+                    start, end = chunk_bounds(2049, world_size, compressor.block)[rank]
+                    kept_here = torch.zeros(2049, dtype=torch.float64)
+                    kept_here[start:end] = (memory.get(key) - old).double()
+                    sent -= world_size * torch.stack(gather(kept_here)).sum(0)
+                torch.testing.assert_close(
+                    result.double() * world_size, sent, rtol=1e-5, atol=1e-4, msg=f"{name}/{algorithm}"
+                )
+
+
+def test_error_feedback_conservation_across_ranks():
+    run_ranks(_feedback_loses_nothing, 2)
+
+
+def _async_returns_before_done(rank: int, world_size: int) -> None:
+    x = _input(rank, 10_000, torch.float32)
+    synchronous = x.clone()
+    gradcomp.all_reduce(synchronous, "int8", feedback=False, name="a", step=0)
+    handles = []
+    tensors = [x.clone() for _ in range(4)]
+    for tensor in tensors:
+        handles.append(gradcomp.all_reduce(tensor, "int8", async_op=True, feedback=False, name="a", step=0))
+    assert all(isinstance(h, gradcomp.collectives.Work) for h in handles)
+    for handle, tensor in zip(handles, tensors, strict=True):
+        handle.wait()
+        assert handle.is_completed()
+        assert torch.equal(tensor, synchronous)
+    stats = handles[0].get_future().value()
+    assert stats.bytes_sent > 0
+
+
+def test_async_op():
+    run_ranks(_async_returns_before_done, 2)
+
+
+def _nonfinite_is_never_hidden(rank: int, world_size: int) -> None:
+    for name in gradcomp.COMPRESSORS:
+        compressor = gradcomp.get_compressor(name)
+        for algorithm in valid_algorithms(compressor):
+            for bad in (math.nan, math.inf):
+                x = _input(rank, 3000, torch.float32)
+                if rank == 1:
+                    x[1234] = bad
+                gradcomp.all_reduce(x, compressor, algorithm=algorithm, feedback=False)
+                assert not torch.isfinite(x).all(), f"{name}/{algorithm} hid {bad}"
+
+
+def test_nonfinite_input_on_one_rank_reaches_every_rank():
+    run_ranks(_nonfinite_is_never_hidden, 2)
+
+
+def _mismatched_settings_raise(rank: int, world_size: int) -> None:
+    block = 256 if rank == 0 else 128
+    with pytest.raises(ValueError, match="disagree"):
+        gradcomp.all_reduce(torch.ones(1000), gradcomp.get_compressor("int8", block=block))
+    numel = 1000 + rank
+    with pytest.raises(ValueError, match="disagree"):
+        gradcomp.all_reduce(torch.ones(numel), "sign")
+    # The group is still usable afterwards.
+    x = torch.ones(10)
+    gradcomp.all_reduce(x, "none")
+    assert torch.equal(x, torch.ones(10))
+
+
+def test_ranks_with_different_settings_get_an_error_not_a_hang():
+    run_ranks(_mismatched_settings_raise, 2, timeout=120)
+
+
+def _bad_arguments(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="op"):
+        gradcomp.all_reduce(torch.ones(4), "int8", op="max")
+    with pytest.raises(ValueError, match="summable"):
+        gradcomp.all_reduce(torch.ones(4), "int8", algorithm="dense")
+    with pytest.raises(ValueError, match="two_phase"):
+        gradcomp.all_reduce(torch.ones(4), "topk", algorithm="two_phase")
+    with pytest.raises(ValueError, match="algorithm"):
+        gradcomp.all_reduce(torch.ones(4), "int8", algorithm="ring")
+    with pytest.raises(TypeError):
+        gradcomp.all_reduce(torch.ones(4, dtype=torch.int64), "int8")
+    with pytest.raises(ValueError, match="unknown compressor"):
+        gradcomp.all_reduce(torch.ones(4), "int3")
+    # Non-contiguous input is reduced in place like any other.
+    x = torch.arange(20, dtype=torch.float32).view(4, 5).t()
+    gradcomp.all_reduce(x, "none")
+    assert torch.equal(x, torch.arange(20, dtype=torch.float32).view(4, 5).t())
+
+
+def test_bad_arguments_raise_clear_errors():
+    run_ranks(_bad_arguments, 2)
+
+
+def test_default_algorithms():
+    assert default_algorithm(gradcomp.get_compressor("fp16")) == "dense"
+    assert default_algorithm(gradcomp.get_compressor("randk")) == "dense"
+    assert default_algorithm(gradcomp.get_compressor("topk")) == "allgather"
+    assert default_algorithm(gradcomp.get_compressor("int8")) == "two_phase"
+    assert default_algorithm(gradcomp.get_compressor("sign")) == "two_phase"
+
+
+@pytest.mark.parametrize("numel,parts,align", [(1, 4, 256), (1000, 3, 256), (4097, 4, 1), (0, 2, 8)])
+def test_chunk_bounds_cover_and_align(numel, parts, align):
+    bounds = chunk_bounds(numel, parts, align)
+    assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+    for (s0, e0), (s1, _) in zip(bounds[:-1], bounds[1:], strict=True):
+        assert e0 == s1 and (s0 % align == 0 or s0 == numel)
+
+
+def test_all_reduce_without_process_group_raises():
+    with pytest.raises(RuntimeError, match="not initialized"):
+        gradcomp.all_reduce(torch.ones(3), "int8")

@@ -1,0 +1,32 @@
+"""Smoke test of the demo: two spawned Gloo ranks, one epoch, two runs."""
+
+import pytest
+
+from gradcomp import demo
+from gradcomp.cli import parser
+
+
+@pytest.mark.slow
+def test_demo_table_has_every_run():
+    rows = demo.run_demo(["dense", "int8"], epochs=1, world_size=2, show_progress=False)
+    table = demo.format_table(rows)
+    assert [row.label for row in rows] == ["dense", "int8"]
+    assert all(label in table for label in ("dense", "int8"))
+    dense, int8 = rows
+    assert dense.ratio == 1.0
+    assert 3 <= int8.ratio <= 4.1
+    assert int8.bytes_per_step < dense.bytes_per_step
+    assert int8.buckets > 1, "bucket_cap_mb should split the model into several buckets"
+    for row in rows:
+        assert row.step_ms > 0
+        assert 0 < row.train_loss < 2.3  # below the loss of a uniform guess over 10 classes
+        assert 0.5 < row.test_accuracy <= 1
+
+
+def test_bad_settings_are_rejected_before_spawning():
+    with pytest.raises(ValueError, match="unknown demo runs"):
+        demo.run_demo(["dense", "int9"])
+    with pytest.raises(ValueError, match="world_size must be at least 2"):
+        demo.run_demo(["dense"], world_size=1)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["demo", "--compressors", "int9"])
