@@ -91,7 +91,7 @@ class Payload:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def wire_order(layout: Layout) -> Layout:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import pickle
+import random
+import time
 
 import pytest
 import torch
@@ -112,6 +115,32 @@ def _every_compressor_trains(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_compressor_trains_a_multi_bucket_model(world_size):
     run_ranks(_every_compressor_trains, world_size, timeout=600)
+
+
+def _skewed_timing(rank: int, world_size: int) -> None:
+    # Each rank stalls its backward pass at random points of its own, so
+    # buckets become ready (and their collectives finish) in a different
+    # rhythm on every rank: callbacks chained with Future.then would issue
+    # the second collective of a multi-step algorithm in a different order.
+    jitter = random.Random(rank)
+
+    def stall(grad):
+        time.sleep(jitter.uniform(0, 0.004))
+        return grad
+
+    for name in ("int8", "topk", "sign"):
+        model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+        for parameter in model.parameters():
+            parameter.register_hook(stall)
+        register(model, name, min_numel=0, measure_error=False)
+        losses = train(model, rank, world_size, 12)
+        assert same_on_all_ranks(flat_parameters(model)), name
+        assert all(map(math.isfinite, losses)), name
+
+
+@pytest.mark.slow
+def test_ranks_with_skewed_timing_stay_in_step():
+    run_ranks(_skewed_timing, 4, timeout=300)
 
 
 def _resume_is_bit_identical(rank: int, world_size: int) -> None:
