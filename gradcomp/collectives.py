@@ -118,6 +118,12 @@ class CollectiveQueue:
     ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error).
     CUDA work runs on the submitting thread's current stream, so it is
     ordered after whatever produced the tensor.
+
+    After a job fails, every later job fails at once without touching the
+    network: the ranks may no longer agree on what comes next, and a rank
+    that goes on issuing collectives would hang its peers (or race a
+    ``destroy_process_group`` after the error). :func:`release_queues`
+    starts afresh.
     """
 
     def __init__(self, group: dist.ProcessGroup):
@@ -128,6 +134,7 @@ class CollectiveQueue:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
+        self.failure: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
@@ -150,6 +157,14 @@ class CollectiveQueue:
             if job is None:
                 return
             fn, future, stream = job
+            if self.failure is not None:
+                future.set_exception(
+                    RuntimeError(
+                        f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
+                        "call gradcomp.collectives.release_queues() on every rank to start afresh"
+                    )
+                )
+                continue
             try:
                 if stream is None:
                     result = fn()
@@ -157,6 +172,7 @@ class CollectiveQueue:
                     with torch.cuda.stream(stream):
                         result = fn()
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
+                self.failure = error
                 future.set_exception(error)
                 continue
             if stream is None:
@@ -171,11 +187,12 @@ _QUEUES_LOCK = threading.Lock()
 
 
 def release_queues() -> None:
-    """Drop every collective queue (and its cloned group).
+    """Drop every collective queue (and its cloned group), after their pending jobs.
 
     Runs at interpreter exit: a cloned Gloo group still alive when the
     interpreter tears down after ``destroy_process_group`` aborts the process.
-    Call it yourself before re-initializing torch.distributed in one process.
+    Call it yourself (on every rank) before re-initializing torch.distributed
+    in one process, or to go on after a failed gradcomp collective.
     """
     with _QUEUES_LOCK:
         queues = list(_QUEUES.values())

@@ -187,10 +187,15 @@ def _mismatched_settings_raise(rank: int, world_size: int) -> None:
     block = 256 if rank == 0 else 128
     with pytest.raises(ValueError, match="disagree"):
         gradcomp.all_reduce(torch.ones(1000), gradcomp.get_compressor("int8", block=block))
+    # After a failure the group's queue refuses work at once (no collective, no hang)...
+    with pytest.raises(RuntimeError, match="earlier gradcomp collective"):
+        gradcomp.all_reduce(torch.ones(10), "none")
+    # ...until every rank starts afresh.
+    gradcomp.collectives.release_queues()
     numel = 1000 + rank
     with pytest.raises(ValueError, match="disagree"):
         gradcomp.all_reduce(torch.ones(numel), "sign")
-    # The group is still usable afterwards.
+    gradcomp.collectives.release_queues()
     x = torch.ones(10)
     gradcomp.all_reduce(x, "none")
     assert torch.equal(x, torch.ones(10))

@@ -26,6 +26,11 @@ import torch
 
 __all__ = [
     "code_bits",
+    "cut_to_k",
+    "feistel_permute",
+    "sample_positions",
+    "selection_magnitude",
+    "threshold_from_sample",
     "store_residual",
     "write_out",
     "compensate",
@@ -286,24 +291,33 @@ def sign_decompress(
 # ----------------------------------------------------------------------------- sparsification
 
 
-def _selection_magnitude(y: torch.Tensor) -> torch.Tensor:
-    # NaN must win the selection like inf does, or it would be silently dropped.
+def sample_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor | None:
+    """Positions whose magnitudes estimate the k-th largest (None: use every element).
+
+    About 400 expected hits in the sample keep the selected count within a
+    few percent of k.
+    """
+    sample_size = min(numel, max(4096, math.ceil(400 * numel / k)))
+    if sample_size >= numel:
+        return None
+    return torch.randint(numel, (sample_size,), generator=_generator(seed, device), device=device)
+
+
+def threshold_from_sample(sample_magnitude: torch.Tensor, k: int, numel: int) -> torch.Tensor:
+    """The magnitude that about ``k`` of ``numel`` elements reach, judged from a sample."""
+    sample_k = max(1, round(k * sample_magnitude.numel() / numel))
+    return torch.topk(sample_magnitude, sample_k, sorted=False).values.min()
+
+
+def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
+    """|y| with NaN as inf: NaN must win a selection like inf does, not be dropped."""
     return torch.nan_to_num(y.abs(), nan=math.inf)
 
 
-def _estimate_threshold(magnitude: torch.Tensor, k: int, seed: int) -> torch.Tensor:
-    numel = magnitude.numel()
-    # About 400 expected hits in the sample keep the count within a few percent of k.
-    sample_size = min(numel, max(4096, math.ceil(400 * numel / k)))
-    if sample_size >= numel:
-        sample = magnitude
-    else:
-        picks = torch.randint(
-            numel, (sample_size,), generator=_generator(seed, magnitude.device), device=magnitude.device
-        )
-        sample = magnitude[picks]
-    sample_k = max(1, round(k * sample.numel() / numel))
-    return torch.topk(sample, sample_k, sorted=False).values.min()
+def cut_to_k(indices: torch.Tensor, magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest of ascending candidate ``indices`` (with their magnitudes), still ascending."""
+    top = torch.topk(magnitude, k, sorted=False).indices
+    return indices[top.sort().values]
 
 
 def topk_select(
@@ -333,15 +347,15 @@ def topk_select(
     numel = y.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
-    magnitude = _selection_magnitude(y)
+    magnitude = selection_magnitude(y)
     if exact or k == numel:
         indices = torch.topk(magnitude, k, sorted=False).indices
     else:
-        threshold = _estimate_threshold(magnitude, k, seed)
+        picks = sample_positions(numel, k, seed, y.device)
+        threshold = threshold_from_sample(magnitude if picks is None else magnitude[picks], k, numel)
         indices = torch.nonzero(magnitude >= threshold).view(-1)
         if indices.numel() > math.floor(1.1 * k):
-            top = torch.topk(magnitude[indices], k, sorted=False).indices
-            indices = indices[top.sort().values]
+            indices = cut_to_k(indices, magnitude[indices], k)
         elif indices.numel() < math.ceil(0.9 * k):
             indices = torch.topk(magnitude, k, sorted=False).indices
     picked = y[indices]
@@ -361,27 +375,58 @@ def _keep_unsent(
     flat[indices] = torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)).to(flat.dtype)
 
 
+# Random-K indices: the first k outputs of a pseudo-random permutation of
+# [0, numel) keyed by the seed -- a 4-round Feistel network on 2h bits
+# (2**(2h) >= numel), cycle-walked back into range. Counter-based, O(k), and
+# integer-exact, so the Triton kernel reproduces it bit for bit.
+FEISTEL_ROUNDS = 4
+_HASH_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D)  # odd, below 2**31: products stay inside int64
+
+
+def feistel_half_bits(numel: int) -> int:
+    return max(1, math.ceil(math.log2(max(numel, 2)) / 2))
+
+
+def feistel_keys(seed: int) -> list[int]:
+    """The round keys (32-bit) that ``seed`` gives."""
+    keys, state = [], int(seed) & (2**64 - 1)
+    for _ in range(FEISTEL_ROUNDS):
+        state = (state * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        keys.append(state >> 32)
+    return keys
+
+
+def _hash32(value: torch.Tensor) -> torch.Tensor:
+    value = value ^ (value >> 16)
+    value = (value * _HASH_MULTIPLIERS[0]) & 0xFFFFFFFF
+    value = value ^ (value >> 15)
+    value = (value * _HASH_MULTIPLIERS[1]) & 0xFFFFFFFF
+    return value ^ (value >> 16)
+
+
+def feistel_permute(x: torch.Tensor, half_bits: int, keys: list[int]) -> torch.Tensor:
+    """One pass of the keyed permutation of [0, 2**(2 * half_bits)) (int64 in and out)."""
+    mask = (1 << half_bits) - 1
+    left, right = x >> half_bits, x & mask
+    for key in keys:
+        left, right = right, left ^ (_hash32(right ^ key) & mask)
+    return (left << half_bits) | right
+
+
 def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``k`` distinct ascending indices in ``[0, numel)`` that ``seed`` picks (int64).
 
-    Every rank that passes the same seed gets the same indices, so random-K
-    payloads can be summed with a plain all-reduce.
+    Every rank (and every backend) that passes the same seed gets the same
+    indices, so random-K payloads can be summed with a plain all-reduce.
     """
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
-    device = torch.device(device)
-    generator = _generator(seed, device)
-    if k * 4 >= numel:
-        chosen = torch.randperm(numel, generator=generator, device=device)[:k]
-    else:
-        # Sparse pick: draw with replacement until k distinct remain, then drop
-        # a random surplus (torch.unique sorts, so truncating would favour low indices).
-        chosen = torch.empty(0, dtype=torch.int64, device=device)
-        while chosen.numel() < k:
-            extra = torch.randint(numel, (2 * (k - chosen.numel()) + 16,), generator=generator, device=device)
-            chosen = torch.unique(torch.cat([chosen, extra]))
-        order = torch.randperm(chosen.numel(), generator=generator, device=device)[:k]
-        chosen = chosen[order]
+    half_bits, keys = feistel_half_bits(numel), feistel_keys(seed)
+    chosen = feistel_permute(torch.arange(k, dtype=torch.int64, device=torch.device(device)), half_bits, keys)
+    outside = chosen >= numel
+    while bool(outside.any()):
+        chosen[outside] = feistel_permute(chosen[outside], half_bits, keys)
+        outside = chosen >= numel
     return chosen.sort().values
 
 
