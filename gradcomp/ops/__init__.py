@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 
@@ -41,6 +43,20 @@ OP_NAMES = (
 _REGISTRY: dict[str, tuple[Callable[[torch.device], bool], dict[str, Callable]]] = {
     "torch": (lambda device: True, {name: getattr(reference, name) for name in OP_NAMES}),
 }
+# Optional backends, imported on first use so that `import gradcomp` stays light
+# and never fails for lack of them: backend -> module with FUNCTIONS and is_available.
+_OPTIONAL = {"triton": "gradcomp.ops.triton_backend"}
+# Backends used when nothing is forced. The Triton interpreter runs on CPU
+# tensors too, but only for testing: it is used there only when forced.
+_AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "torch": ("cpu", "cuda")}
+
+
+def _load_optional(name: str) -> None:
+    module_name = _OPTIONAL.get(name)
+    if name in _REGISTRY or module_name is None or importlib.util.find_spec("triton") is None:
+        return
+    module = importlib.import_module(module_name)
+    _REGISTRY[name] = (module.is_available, dict(module.FUNCTIONS))
 
 
 def register_backend(
@@ -73,6 +89,8 @@ def check_forced_backend() -> None:
     """Raise now, not at the first op, if ``GRADCOMP_BACKEND`` names a backend
     that is unknown or not installed."""
     forced = forced_backend()
+    if forced is not None:
+        _load_optional(forced)
     if forced is not None and forced not in _REGISTRY:
         raise RuntimeError(
             f"GRADCOMP_BACKEND={forced} requested but that backend is not installed "
@@ -92,6 +110,9 @@ def implementation(op: str, device: torch.device) -> Callable:
             raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it cannot run on {device}")
         return functions[op]
     for name in BACKEND_PREFERENCE:
+        if device.type not in _AUTOMATIC_DEVICES.get(name, ()):
+            continue
+        _load_optional(name)
         entry = _REGISTRY.get(name)
         if entry is not None and op in entry[1] and entry[0](device):
             return entry[1][op]

@@ -1,0 +1,129 @@
+"""The ops on the Triton kernels of :mod:`gradcomp.kernels`.
+
+Quantization, sign, packing and scatter-add map one to one onto kernel
+launchers. Random-K and Top-K combine kernels with the reference's
+seed-derived choices (the permutation keys, the Top-K sample), so that they
+select exactly what :mod:`gradcomp.ops.reference` selects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp import kernels
+from gradcomp.ops import reference
+
+
+def _flat_residual(residual: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    if residual is None:
+        return None
+    if not residual.is_contiguous():
+        raise ValueError("the residual must be contiguous: the kernels update it in place")
+    if residual.numel() != like.numel() or residual.device != like.device:
+        raise ValueError(
+            f"residual ({residual.numel()} elements on {residual.device}) does not match "
+            f"the tensor ({like.numel()} on {like.device})"
+        )
+    return residual.view(-1)
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(values), values, torch.zeros_like(values))
+
+
+def randk_indices(numel: int, k: int, seed: int, device) -> torch.Tensor:
+    """:func:`gradcomp.ops.reference.randk_indices` on the Triton kernel."""
+    if not 0 < k <= numel:
+        raise ValueError(f"k must be in [1, {numel}], got {k}")
+    half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
+    return kernels.randk_indices(numel, k, half_bits, keys, device)
+
+
+def randk_select(
+    x: torch.Tensor,
+    k: int,
+    seed: int,
+    residual: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    value_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`gradcomp.ops.reference.randk_select` on Triton kernels."""
+    x = x.reshape(-1)
+    residual = _flat_residual(residual, x)
+    indices = randk_indices(x.numel(), k, seed, x.device)
+    # Gather before the pass that overwrites the residual with x + residual.
+    values, lost = kernels.gather_compensated(x, residual, indices, scale, value_dtype)
+    flags = kernels.compensate(x, residual)
+    if residual is not None:
+        residual[indices] = lost.to(residual.dtype)
+    # No host sync: NaN joins the first value exactly when the input holds inf or NaN.
+    values[:1] += torch.where(flags.any(), math.nan, 0.0).to(value_dtype)
+    return values
+
+
+def _threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int) -> torch.Tensor:
+    # The same sample as the reference, read without materialising |x + residual|.
+    picks = reference.sample_positions(x.numel(), k, seed, x.device)
+    sample = x.float() if picks is None else x[picks].float()
+    if residual is not None:
+        sample = sample + (residual.float() if picks is None else residual[picks].float())
+    return reference.threshold_from_sample(reference.selection_magnitude(sample), k, x.numel()).reshape(1)
+
+
+def topk_select(
+    x: torch.Tensor,
+    k: int,
+    residual: torch.Tensor | None = None,
+    exact: bool = False,
+    *,
+    seed: int = 0,
+    index_dtype: torch.dtype | None = None,
+    value_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gradcomp.ops.reference.topk_select` with the sampling path on Triton
+    kernels (``exact=True`` stays on ``torch.topk``)."""
+    x = x.reshape(-1)
+    numel = x.numel()
+    if not 0 < k <= numel:
+        raise ValueError(f"k must be in [1, {numel}], got {k}")
+    residual = _flat_residual(residual, x)
+    options = {"seed": seed, "index_dtype": index_dtype, "value_dtype": value_dtype}
+    if exact or k == numel:
+        return reference.topk_select(x, k, residual, True, **options)
+    values, indices = kernels.select_candidates(x, residual, _threshold(x, residual, k, seed))
+    if values.numel() < math.ceil(0.9 * k):
+        # Rare: the sample misjudged the threshold. Rebuild y (the compaction
+        # left it in the residual, candidates aside) and take the exact path.
+        y = (x if residual is None else residual).to(torch.float32, copy=True)
+        y[indices] = values
+        if residual is not None:
+            residual.zero_()
+        return reference.topk_select(y, k, residual, True, **options)
+    if values.numel() > math.floor(1.1 * k):
+        keep = torch.topk(reference.selection_magnitude(values), k, sorted=False).indices.sort().values
+        if residual is not None:
+            dropped = torch.ones(values.numel(), dtype=torch.bool, device=x.device)
+            dropped[keep] = False
+            residual[indices[dropped]] = _finite(values[dropped]).to(residual.dtype)
+        values, indices = values[keep], indices[keep]
+    sent = values.to(value_dtype)
+    if residual is not None:
+        residual[indices] = _finite(values - sent.float()).to(residual.dtype)
+    return sent, indices.to(index_dtype or reference.index_dtype_for(numel))
+
+
+FUNCTIONS = {
+    "quantize_blockwise": kernels.quantize_blockwise,
+    "dequantize_blockwise": kernels.dequantize_blockwise,
+    "sign_compress": kernels.sign_compress,
+    "sign_decompress": kernels.sign_decompress,
+    "topk_select": topk_select,
+    "randk_select": randk_select,
+    "scatter_add": kernels.scatter_add,
+    "pack_bits": kernels.pack_bits,
+    "unpack_bits": kernels.unpack_bits,
+}
+is_available = kernels.is_available

@@ -1,0 +1,55 @@
+"""Helpers shared by the Triton kernels."""
+
+import torch
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude below
+# 2**22 to the nearest integer, ties to even -- exactly what torch.round does.
+ROUNDING_MAGIC = 12582912.0
+
+
+@triton.jit
+def round_half_even(value):
+    return (value + ROUNDING_MAGIC) - ROUNDING_MAGIC
+
+
+@triton.jit
+def is_finite(value):
+    # inf - inf and nan - nan are nan, which is unequal to 0.
+    return (value - value) == 0.0
+
+
+@triton.jit
+def finite_or_zero(value):
+    return tl.where(is_finite(value), value, 0.0)
+
+
+def flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` as a flat contiguous view (a copy only if it is not contiguous)."""
+    if not tensor.is_floating_point() and tensor.dtype not in (torch.uint8, torch.int32, torch.int64):
+        raise TypeError(f"{name}: unsupported dtype {tensor.dtype}")
+    return tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def residual_view(residual: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor | None:
+    """The residual as a flat view that the kernel updates in place."""
+    if residual is None:
+        return None
+    if not residual.is_contiguous():
+        raise ValueError("the residual must be contiguous: the kernel updates it in place")
+    if residual.numel() != numel:
+        raise ValueError(f"residual has {residual.numel()} elements, the tensor {numel}")
+    if residual.device != device:
+        raise ValueError(f"residual is on {residual.device}, the tensor on {device}")
+    return residual.view(-1)
+
+
+def block_width(block: int) -> int:
+    """Lanes a program uses for one block: the next power of two."""
+    return triton.next_power_of_2(block)
+
+
+def seed32(seed: int) -> int:
+    """The 31 low bits of a gradcomp seed, as Triton's generator takes them."""
+    return int(seed) & 0x7FFFFFFF

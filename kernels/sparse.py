@@ -1,0 +1,245 @@
+"""Kernels for random-K and Top-K selection with fused error feedback, and scatter-add.
+
+The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
+
+* random-K: :func:`randk_indices` (a keyed permutation, cycle-walked into
+  range), :func:`gather_compensated` (values at the picks and what sending
+  them loses), :func:`compensate` (one pass: ``residual <- x + residual``,
+  non-finite flags per block);
+* Top-K: :func:`select_candidates`, a counting kernel and a compaction
+  kernel (block offsets from a prefix sum: ascending, deterministic output)
+  that pick ``|y| >= threshold`` and take the candidates out of the residual
+  in the same pass.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import finite_or_zero, flat, is_finite
+
+ELEMENTS_PER_PROGRAM = 1024
+
+
+# ----------------------------------------------------------------------------- random-K
+
+
+@triton.jit
+def _hash32(value):
+    value = value ^ (value >> 16)
+    value = (value * 0x7FEB352D) & 0xFFFFFFFF
+    value = value ^ (value >> 15)
+    value = (value * 0x2C1B3C6D) & 0xFFFFFFFF
+    return value ^ (value >> 16)
+
+
+@triton.jit
+def _permute(x, half_bits, key0, key1, key2, key3):
+    mask = (tl.full(x.shape, 1, tl.int64) << half_bits) - 1
+    left = x >> half_bits
+    right = x & mask
+    left, right = right, left ^ (_hash32(right ^ key0) & mask)
+    left, right = right, left ^ (_hash32(right ^ key1) & mask)
+    left, right = right, left ^ (_hash32(right ^ key2) & mask)
+    left, right = right, left ^ (_hash32(right ^ key3) & mask)
+    return (left << half_bits) | right
+
+
+@triton.jit
+def _randk_indices_kernel(out_ptr, k, numel, half_bits, key0, key1, key2, key3, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < k
+    chosen = _permute(offsets, half_bits, key0, key1, key2, key3)
+    outside = (chosen >= numel) & mask
+    while tl.max(outside.to(tl.int32), axis=0) > 0:
+        chosen = tl.where(outside, _permute(chosen, half_bits, key0, key1, key2, key3), chosen)
+        outside = (chosen >= numel) & mask
+    tl.store(out_ptr + offsets, chosen, mask=mask)
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr,
+    residual_ptr,
+    indices_ptr,
+    values_ptr,
+    lost_ptr,
+    k,
+    scale,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < k
+    index = tl.load(indices_ptr + offsets, mask=mask, other=0).to(tl.int64)
+    y = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    sent = (y * scale).to(values_ptr.dtype.element_ty)
+    tl.store(values_ptr + offsets, sent, mask=mask)
+    tl.store(lost_ptr + offsets, finite_or_zero(y - sent.to(tl.float32)), mask=mask)
+
+
+@triton.jit
+def _compensate_kernel(
+    x_ptr, residual_ptr, flags_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(residual_ptr + offsets, finite_or_zero(y), mask=mask)
+    tl.store(flags_ptr + pid, tl.max((~is_finite(y)).to(tl.int32), axis=0))
+
+
+# ----------------------------------------------------------------------------- top-K
+
+
+@triton.jit
+def _magnitude(y):
+    return tl.where(y != y, float("inf"), tl.abs(y))
+
+
+@triton.jit
+def _count_kernel(
+    x_ptr, residual_ptr, threshold_ptr, counts_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
+    tl.store(counts_ptr + pid, tl.sum(selected.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _compact_kernel(
+    x_ptr,
+    residual_ptr,
+    threshold_ptr,
+    starts_ptr,
+    values_ptr,
+    indices_ptr,
+    numel,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
+    position = tl.load(starts_ptr + pid) + tl.cumsum(selected.to(tl.int64), axis=0) - 1
+    tl.store(values_ptr + position, y, mask=selected)
+    tl.store(indices_ptr + position, offsets, mask=selected)
+    if HAS_RESIDUAL:
+        # Candidates leave the residual; the caller puts back what it does not send.
+        tl.store(residual_ptr + offsets, tl.where(selected, 0.0, finite_or_zero(y)), mask=mask)
+
+
+def randk_indices(numel: int, k: int, half_bits: int, keys: list[int], device) -> torch.Tensor:
+    """The first ``k`` outputs of the keyed permutation of ``[0, numel)``, ascending (int64)."""
+    chosen = torch.empty(k, dtype=torch.int64, device=device)
+    if k:
+        grid = (triton.cdiv(k, ELEMENTS_PER_PROGRAM),)
+        _randk_indices_kernel[grid](chosen, k, numel, half_bits, *keys, BLOCK=ELEMENTS_PER_PROGRAM)
+    return chosen.sort().values
+
+
+def gather_compensated(x, residual, indices, scale: float, value_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, lost)``: ``(x + residual)[indices] * scale`` in ``value_dtype``, and
+    ``y - sent`` there in fp32 (zero where not finite)."""
+    count = indices.numel()
+    values = torch.empty(count, dtype=value_dtype, device=x.device)
+    lost = torch.empty(count, dtype=torch.float32, device=x.device)
+    if count:
+        _gather_kernel[(triton.cdiv(count, ELEMENTS_PER_PROGRAM),)](
+            x,
+            residual if residual is not None else x,
+            indices,
+            values,
+            lost,
+            count,
+            float(scale),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=ELEMENTS_PER_PROGRAM,
+        )
+    return values, lost
+
+
+def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual <- finite(x + residual)`` in one pass (when given); returns a
+    per-block flag (int32) of inf or NaN in ``x + residual``."""
+    numel = x.numel()
+    flags = torch.zeros(max(1, triton.cdiv(numel, ELEMENTS_PER_PROGRAM)), dtype=torch.int32, device=x.device)
+    if numel:
+        _compensate_kernel[(triton.cdiv(numel, ELEMENTS_PER_PROGRAM),)](
+            x,
+            residual if residual is not None else x,
+            flags,
+            numel,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=ELEMENTS_PER_PROGRAM,
+        )
+    return flags
+
+
+def select_candidates(x, residual, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values fp32, indices int64)`` of ``|x + residual| >= threshold`` (NaN counts
+    as inf), ascending; candidates leave the residual, the rest of it becomes
+    ``finite(x + residual)``. One host sync: the count."""
+    numel = x.numel()
+    blocks = triton.cdiv(numel, ELEMENTS_PER_PROGRAM)
+    has_residual = residual is not None
+    source = residual if has_residual else x
+    counts = torch.empty(blocks, dtype=torch.int64, device=x.device)
+    _count_kernel[(blocks,)](
+        x, source, threshold, counts, numel, HAS_RESIDUAL=has_residual, BLOCK=ELEMENTS_PER_PROGRAM
+    )
+    starts = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    values = torch.empty(total, dtype=torch.float32, device=x.device)
+    indices = torch.empty(total, dtype=torch.int64, device=x.device)
+    _compact_kernel[(blocks,)](
+        x,
+        source,
+        threshold,
+        starts,
+        values,
+        indices,
+        numel,
+        HAS_RESIDUAL=has_residual,
+        BLOCK=ELEMENTS_PER_PROGRAM,
+    )
+    return values, indices
+
+
+# ----------------------------------------------------------------------------- scatter-add
+
+
+@triton.jit
+def _scatter_add_kernel(indices_ptr, values_ptr, out_ptr, count, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < count
+    index = tl.load(indices_ptr + offsets, mask=mask, other=0).to(tl.int64)
+    value = tl.load(values_ptr + offsets, mask=mask, other=0.0)
+    tl.atomic_add(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.scatter_add` (atomic adds:
+    repeated indices are summed in no fixed order)."""
+    indices, values = flat(indices, "indices"), flat(values, "values")
+    if indices.numel() != values.numel():
+        raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+    target = out.view(-1)
+    if indices.numel():
+        grid = (triton.cdiv(indices.numel(), ELEMENTS_PER_PROGRAM),)
+        _scatter_add_kernel[grid](indices, values, target, indices.numel(), BLOCK=ELEMENTS_PER_PROGRAM)
+    return out

@@ -1,0 +1,365 @@
+"""Triton kernels against the torch reference (interpreter on CPU, real kernels on a GPU).
+
+Tolerances: bit-exact (``torch.equal``) wherever the arithmetic is the same
+operations in the same order -- round-to-nearest quantization, codes, signs,
+residuals, selections, decoding. Sums over a block (sign's mean magnitude,
+QSGD's norm) run in another order than torch's: within 4 ulp. Stochastic
+rounding draws other random numbers: checked by unbiasedness and exact
+error-feedback conservation.
+
+Triton's CPU interpreter converts fp32 to bfloat16 by truncation, where the
+GPU rounds to nearest even like torch. Under the interpreter, values a kernel
+stores as bfloat16 (and what follows from them) may differ by one bfloat16
+step; everywhere else, and on a GPU always, comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import gradcomp  # noqa: E402
+from gradcomp.compressors import Context  # noqa: E402
+from gradcomp.ops import reference  # noqa: E402
+from gradcomp.ops import triton_backend as triton_ops  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SIZES = (1, 1023, 4097)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def randn(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator).to(dtype).to(DEVICE)
+
+
+def mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
+    differ = (expected != actual) & ~(expected.isnan() & actual.isnan())
+    where = torch.nonzero(differ).view(-1)[:5].tolist()
+    return f"{int(differ.sum())} of {expected.numel()} differ, first at {where}: " + ", ".join(
+        f"{expected[i].item()} vs {actual[i].item()}" for i in where
+    )
+
+
+INTERPRETED = not torch.cuda.is_available()
+
+
+def assert_same(
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    bf16_stored: bool = False,
+    magnitude: torch.Tensor | None = None,
+) -> None:
+    """Bit-exact, NaN equal to NaN. ``bf16_stored``: under the interpreter, within
+    two bfloat16 steps of ``magnitude`` (the operands' size; default the result's)."""
+    assert expected.dtype == actual.dtype and expected.shape == actual.shape
+    if bf16_stored and INTERPRETED:
+        magnitude = expected.abs() if magnitude is None else magnitude
+        step = magnitude.float().cpu() * 2**-6 + 1e-30
+        assert ((expected.float().cpu() - actual.float().cpu()).abs() <= step).all(), mismatch(
+            expected.cpu(), actual.cpu()
+        )
+        return
+    assert torch.equal(expected.cpu(), actual.cpu()) or (
+        torch.equal(expected.isnan().cpu(), actual.isnan().cpu())
+        and torch.equal(expected.nan_to_num().cpu(), actual.nan_to_num().cpu())
+    ), mismatch(expected.cpu(), actual.cpu())
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("block", [256, 100, 64])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_round_to_nearest_is_bit_exact(numel, block, bits, dtype):
+    x = randn(numel, seed=numel + bits, dtype=dtype)
+    if numel > 300:
+        x[block : 2 * block] = 0  # an all-zero block
+    residual = randn(numel, seed=7) * 0.1
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    codes, scales = reference.quantize_blockwise(x, bits, block, residual=expected_residual)
+    got_codes, got_scales = triton_ops.FUNCTIONS["quantize_blockwise"](
+        x, bits, block, residual=actual_residual
+    )
+    assert_same(codes, got_codes)
+    assert_same(scales, got_scales)
+    assert_same(expected_residual, actual_residual)
+    decoded = reference.dequantize_blockwise(codes, scales, bits, block, numel)
+    assert_same(decoded, triton_ops.FUNCTIONS["dequantize_blockwise"](codes, scales, bits, block, numel))
+    for out_dtype in DTYPES:
+        base = randn(numel, seed=3, dtype=out_dtype)
+        expected = reference.dequantize_blockwise(codes, scales, bits, block, numel, base.clone(), True)
+        actual = triton_ops.FUNCTIONS["dequantize_blockwise"](
+            codes, scales, bits, block, numel, base.clone(), True
+        )
+        operands = base.float().abs() + decoded.abs()
+        assert_same(expected, actual, bf16_stored=out_dtype == torch.bfloat16, magnitude=operands)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_quantize_non_finite_blocks_decode_non_finite(bad):
+    x = randn(1000, seed=1)
+    x[10] = bad
+    residual = torch.zeros(1000, device=DEVICE)
+    codes, scales = triton_ops.FUNCTIONS["quantize_blockwise"](x, 8, 256, residual=residual)
+    decoded = triton_ops.FUNCTIONS["dequantize_blockwise"](codes, scales, 8, 256, 1000)
+    assert not torch.isfinite(decoded[:256]).all()
+    assert torch.isfinite(decoded[256:]).all() and torch.isfinite(residual).all()
+    expected = reference.dequantize_blockwise(*reference.quantize_blockwise(x, 8, 256), 8, 256, 1000)
+    assert_same(expected, decoded)
+
+
+def test_stochastic_rounding_is_unbiased_and_conserves():
+    x = randn(512, seed=2)
+    trials = 200
+    total = torch.zeros(512, dtype=torch.float64, device=DEVICE)
+    for seed in range(trials):
+        residual = torch.zeros(512, device=DEVICE)
+        codes, scales = triton_ops.FUNCTIONS["quantize_blockwise"](x, 4, 128, True, seed, residual)
+        decoded = triton_ops.FUNCTIONS["dequantize_blockwise"](codes, scales, 4, 128, 512)
+        # decoded + residual == input, up to the rounding of one fp32 subtraction.
+        bound = 2**-23 * (x.abs() + decoded.abs())
+        assert ((decoded + residual - x).abs() <= bound).all(), "error feedback lost mass"
+        total += decoded.double()
+    # Each decode is within one step s of x with variance <= s^2 / 4.
+    step = scales.repeat_interleave(128).double()
+    standard_error = step / 2 / math.sqrt(trials)
+    assert ((total / trials - x.double()).abs() <= 5 * standard_error + 1e-7).all()
+    again = triton_ops.FUNCTIONS["quantize_blockwise"](x, 4, 128, True, 5)
+    assert torch.equal(again[0], triton_ops.FUNCTIONS["quantize_blockwise"](x, 4, 128, True, 5)[0])
+
+
+def test_qsgd_norm_scale_matches_reference():
+    x = randn(3000, seed=4)
+    _, expected = reference.quantize_blockwise(x, 4, 256, levels=7, scale="norm")
+    _, actual = triton_ops.FUNCTIONS["quantize_blockwise"](x, 4, 256, levels=7, scale="norm")
+    torch.testing.assert_close(actual, expected, rtol=4 * 2**-23, atol=0)
+
+
+# ----------------------------------------------------------------------------- sign
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("block", [1024, 64, 100])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign_matches_reference(numel, block, dtype):
+    x = randn(numel, seed=numel, dtype=dtype)
+    residual = randn(numel, seed=9) * 0.1
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    signs, scales = reference.sign_compress(x, block, expected_residual)
+    got_signs, got_scales = triton_ops.FUNCTIONS["sign_compress"](x, block, actual_residual)
+    assert_same(signs, got_signs)
+    torch.testing.assert_close(got_scales, scales, rtol=4 * 2**-23, atol=0)
+    # Conservation holds exactly within each implementation.
+    decoded = triton_ops.FUNCTIONS["sign_decompress"](got_signs, got_scales, block, numel)
+    y = x.float() + residual
+    torch.testing.assert_close(decoded + actual_residual, y, rtol=0, atol=4e-7 * y.abs().max().item() + 1e-7)
+    assert_same(
+        reference.sign_decompress(signs, scales, block, numel),
+        triton_ops.FUNCTIONS["sign_decompress"](signs, scales, block, numel),
+    )
+
+
+def test_sign_nan_decodes_nan():
+    x = randn(2048, seed=1)
+    x[5] = math.nan
+    signs, scales = triton_ops.FUNCTIONS["sign_compress"](x, 1024)
+    decoded = triton_ops.FUNCTIONS["sign_decompress"](signs, scales, 1024, 2048)
+    assert decoded[:1024].isnan().all() and torch.isfinite(decoded[1024:]).all()
+
+
+# ----------------------------------------------------------------------------- bits
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 1023, 4096])
+def test_pack_unpack_bit_exact(bits, numel):
+    generator = torch.Generator().manual_seed(numel)
+    codes = torch.randint(0, 2**bits, (numel,), generator=generator, dtype=torch.uint8).to(DEVICE)
+    packed = triton_ops.FUNCTIONS["pack_bits"](codes, bits)
+    assert_same(reference.pack_bits(codes, bits), packed)
+    assert_same(codes, triton_ops.FUNCTIONS["unpack_bits"](packed, bits, numel))
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+@pytest.mark.parametrize(
+    "numel,k,seed", [(1, 1, 0), (1000, 10, 1), (4097, 41, 2), (50_000, 500, 3), (300, 300, 4)]
+)
+def test_randk_indices_match_reference(numel, k, seed):
+    assert_same(
+        reference.randk_indices(numel, k, seed, DEVICE), triton_ops.randk_indices(numel, k, seed, DEVICE)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rescale", [1.0, 25.0])
+def test_randk_select_matches_reference(dtype, rescale):
+    x = randn(5000, seed=5, dtype=dtype)
+    residual = randn(5000, seed=6) * 0.1
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    options = {"scale": rescale, "value_dtype": dtype}
+    expected = reference.randk_select(x, 200, 11, expected_residual, **options)
+    actual = triton_ops.FUNCTIONS["randk_select"](x, 200, 11, actual_residual, **options)
+    bf16 = dtype == torch.bfloat16
+    assert_same(expected, actual, bf16_stored=bf16)
+    if bf16 and INTERPRETED:
+        # The values were rounded differently; what each rounding lost stays in
+        # its own residual, and the unpicked entries match exactly.
+        picked = reference.randk_indices(5000, 200, 11, DEVICE)
+        if rescale == 1.0:
+            y = (x.float() + residual)[picked]
+            torch.testing.assert_close(actual.float() + actual_residual[picked], y, rtol=0, atol=0)
+        unpicked = torch.ones(5000, dtype=torch.bool, device=DEVICE)
+        unpicked[picked] = False
+        assert_same(expected_residual[unpicked], actual_residual[unpicked])
+    else:
+        assert_same(expected_residual, actual_residual)
+
+
+def test_randk_nan_anywhere_reaches_the_values():
+    x = randn(5000, seed=5)
+    x[4321] = math.nan
+    residual = torch.zeros(5000, device=DEVICE)
+    values = triton_ops.FUNCTIONS["randk_select"](x, 50, 1, residual)
+    assert values.isnan().any() and torch.isfinite(residual).all()
+
+
+@pytest.mark.parametrize("numel,ratio", [(1000, 0.05), (4097, 0.01), (60_000, 0.001), (20_000, 0.3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_sampling_path_matches_reference(numel, ratio, dtype):
+    x = randn(numel, seed=numel, dtype=dtype)
+    residual = randn(numel, seed=12) * 0.3
+    k = max(1, round(ratio * numel))
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    options = {"seed": 77, "value_dtype": dtype}
+    values, indices = reference.topk_select(x, k, expected_residual, **options)
+    got_values, got_indices = triton_ops.FUNCTIONS["topk_select"](x, k, actual_residual, **options)
+    assert_same(indices, got_indices)
+    assert_same(values, got_values)
+    assert_same(expected_residual, actual_residual)
+    assert math.ceil(0.9 * k) <= got_values.numel() <= math.floor(1.1 * k)
+
+
+def test_topk_ties_take_the_cut_path():
+    # Many equal magnitudes: far more than 1.1 k candidates reach the threshold.
+    x = torch.ones(4000, device=DEVICE)
+    x[::7] = 3.0
+    residual = torch.zeros(4000, device=DEVICE)
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    expected = reference.topk_select(x, 1000, expected_residual, seed=1)
+    actual = triton_ops.FUNCTIONS["topk_select"](x, 1000, actual_residual, seed=1)
+    assert actual[0].numel() == 1000
+    assert_same(expected[1], actual[1])
+    assert_same(expected_residual, actual_residual)
+
+
+def test_topk_misjudged_threshold_falls_back_to_exact(monkeypatch):
+    x = randn(5000, seed=8)
+    residual = randn(5000, seed=9) * 0.1
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    expected_values, expected_indices = reference.topk_select(x, 50, expected_residual, exact=True)
+    # A threshold above every magnitude selects nothing: the exact path must take over.
+    monkeypatch.setattr(reference, "threshold_from_sample", lambda *args: torch.tensor(1e30, device=DEVICE))
+    values, indices = triton_ops.FUNCTIONS["topk_select"](x, 50, actual_residual)
+    order, got_order = expected_indices.argsort(), indices.argsort()
+    assert_same(expected_indices[order], indices[got_order])
+    assert_same(expected_values[order], values[got_order])
+    assert_same(expected_residual, actual_residual)
+
+
+def test_topk_non_finite_is_selected():
+    x = randn(5000, seed=10)
+    x[17], x[4000] = math.nan, -math.inf
+    values, indices = triton_ops.FUNCTIONS["topk_select"](x, 50, torch.zeros(5000, device=DEVICE))
+    assert {17, 4000} <= set(indices.tolist()) and not torch.isfinite(values).all()
+
+
+def test_scatter_add_sums_repeats():
+    out = torch.zeros(10, device=DEVICE)
+    indices = torch.tensor([1, 3, 3, 9, 1, 1], device=DEVICE)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], device=DEVICE)
+    expected = reference.scatter_add(indices, values, out.clone())
+    assert_same(expected, triton_ops.FUNCTIONS["scatter_add"](indices, values, out.clone()))
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "topk", "randk", "none", "fp16"])
+def test_compressors_agree_across_backends(name, monkeypatch):
+    compressor = gradcomp.get_compressor(name)
+    x = randn(3000, seed=21)
+    payloads, residuals, decoded = {}, {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("GRADCOMP_BACKEND", backend)
+        residual = torch.zeros(3000, device=DEVICE) + 0.01
+        payloads[backend] = compressor.compress(x, Context(residual=residual, step=3, key=1))
+        residuals[backend] = residual
+        decoded[backend] = compressor.decompress(payloads[backend])
+    for key in payloads["torch"].tensors:
+        assert_same(payloads["torch"].tensors[key], payloads["triton"].tensors[key])
+    assert_same(residuals["torch"], residuals["triton"])
+    assert_same(decoded["torch"], decoded["triton"])
+
+
+def test_forcing_triton_on_a_device_it_cannot_run_on_raises(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: Triton runs on CUDA tensors")
+    with pytest.raises(RuntimeError, match="cannot run on cpu"):
+        gradcomp.get_compressor("int8").compress(torch.randn(10))
+
+
+def _backends_agree_on_ranks(rank: int, world_size: int) -> None:
+    import os
+
+    from distributed import same_on_all_ranks
+    from test_ddp import DDP, flat_parameters, make_model, register, train
+
+    results = {}
+    for backend in ("torch", "triton"):
+        os.environ["GRADCOMP_BACKEND"] = backend
+        for name in ("int8", "int4", "topk", "randk", "sign"):
+            for algorithm in ("allgather", "two_phase", "dense"):
+                compressor = gradcomp.get_compressor(name)
+                try:
+                    gradcomp.collectives.check_algorithm(compressor, algorithm)
+                except ValueError:
+                    continue
+                x = randn(3000, seed=rank)
+                memory = gradcomp.ErrorFeedback()
+                for step in range(2):
+                    gradcomp.all_reduce(
+                        x, compressor, algorithm=algorithm, feedback=memory, name="t", step=step
+                    )
+                results[backend, name, algorithm] = x
+        for name in ("int8", "topk"):
+            model = DDP(make_model(), bucket_cap_mb=0.02)
+            register(model, name, min_numel=0)
+            train(model, rank, world_size, 3)
+            results[backend, name, "ddp"] = flat_parameters(model)
+    del os.environ["GRADCOMP_BACKEND"]
+    for (backend, name, algorithm), value in results.items():
+        if backend == "torch":
+            other = results["triton", name, algorithm]
+            assert same_on_all_ranks(other), (name, algorithm)
+            if name == "sign":  # block sums in another order: a few ulp per step
+                torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(other, value), (name, algorithm)
+
+
+@pytest.mark.slow
+def test_collectives_and_ddp_hook_agree_across_backends():
+    from distributed import run_ranks
+
+    run_ranks(_backends_agree_on_ranks, 2, timeout=600)
