@@ -25,6 +25,33 @@ def finite_or_zero(value):
     return tl.where(is_finite(value), value, 0.0)
 
 
+@triton.jit
+def block_lanes(numel, block, WIDTH: tl.constexpr):
+    """This program's block: ``(pid, offsets, mask)`` over ``WIDTH`` lanes (int64 offsets)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, WIDTH)
+    offsets = pid * block + lane
+    return pid, offsets, (lane < block) & (offsets < numel)
+
+
+@triton.jit
+def load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL: tl.constexpr):
+    """``x + residual`` in fp32 (masked lanes 0)."""
+    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def store_decoded(out_ptr, offsets, mask, value, ACCUMULATE: tl.constexpr):
+    """``out = value`` or ``out += value`` (the sum rounded like torch's ``out += value.to(out.dtype)``)."""
+    if ACCUMULATE:
+        current = tl.load(out_ptr + offsets, mask=mask, other=0.0)
+        value = current.to(tl.float32) + value.to(current.dtype).to(tl.float32)
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """``tensor`` as a flat contiguous view (a copy only if it is not contiguous)."""
     if not tensor.is_floating_point() and tensor.dtype not in (torch.uint8, torch.int32, torch.int64):

@@ -18,13 +18,16 @@ import triton.language as tl
 
 from .bits import pack_bits, unpack_bits
 from .common import (
+    block_lanes,
     block_width,
     finite_or_zero,
     flat,
     is_finite,
+    load_compensated,
     residual_view,
     round_half_even,
     seed32,
+    store_decoded,
 )
 
 
@@ -46,13 +49,8 @@ def _quantize_kernel(
     NORM: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, WIDTH)
-    offsets = pid * block + lane
-    mask = (lane < block) & (offsets < numel)
-    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pid, offsets, mask = block_lanes(numel, block, WIDTH)
+    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     magnitude = tl.abs(y)
     peak = tl.max(magnitude, axis=0)
     # tl.max skips NaN; the reference's amax does not, and a NaN must decode to NaN.
@@ -102,19 +100,13 @@ def _dequantize_kernel(
     WIDTH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, WIDTH)
-    offsets = pid * block + lane
-    mask = (lane < block) & (offsets < numel)
+    pid, offsets, mask = block_lanes(numel, block, WIDTH)
     per_byte: tl.constexpr = 8 // BITS
     byte = tl.load(codes_ptr + offsets // per_byte, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((offsets % per_byte) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
     scale = tl.load(scales_ptr + pid).to(tl.float32)
     value = (code.to(tl.float32) - levels.to(tl.float32)) * scale
-    if ACCUMULATE:
-        current = tl.load(out_ptr + offsets, mask=mask, other=0.0)
-        value = current.to(tl.float32) + value.to(current.dtype).to(tl.float32)
-    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+    store_decoded(out_ptr, offsets, mask, value, ACCUMULATE)
 
 
 def quantize_blockwise(

@@ -11,7 +11,15 @@ import triton
 import triton.language as tl
 
 from .bits import pack_bits
-from .common import block_width, finite_or_zero, flat, residual_view
+from .common import (
+    block_lanes,
+    block_width,
+    finite_or_zero,
+    flat,
+    load_compensated,
+    residual_view,
+    store_decoded,
+)
 
 
 @triton.jit
@@ -27,13 +35,8 @@ def _sign_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, WIDTH)
-    offsets = pid * block + lane
-    mask = (lane < block) & (offsets < numel)
-    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pid, offsets, mask = block_lanes(numel, block, WIDTH)
+    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     count = tl.minimum(numel - pid * block, block).to(tl.float32)
     scale = tl.sum(tl.abs(y), axis=0) / count
     positive = y >= 0
@@ -56,18 +59,12 @@ def _sign_kernel(
 def _sign_decode_kernel(
     signs_ptr, scales_ptr, out_ptr, numel, block, WIDTH: tl.constexpr, ACCUMULATE: tl.constexpr
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, WIDTH)
-    offsets = pid * block + lane
-    mask = (lane < block) & (offsets < numel)
+    pid, offsets, mask = block_lanes(numel, block, WIDTH)
     byte = tl.load(signs_ptr + offsets // 8, mask=mask, other=0).to(tl.int32)
     bit = (byte >> (offsets % 8).to(tl.int32)) & 1
     scale = tl.load(scales_ptr + pid).to(tl.float32)
     value = (bit.to(tl.float32) * 2.0 - 1.0) * scale
-    if ACCUMULATE:
-        current = tl.load(out_ptr + offsets, mask=mask, other=0.0)
-        value = current.to(tl.float32) + value.to(current.dtype).to(tl.float32)
-    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+    store_decoded(out_ptr, offsets, mask, value, ACCUMULATE)
 
 
 def sign_compress(

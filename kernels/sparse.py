@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import finite_or_zero, flat, is_finite
+from .common import block_lanes, finite_or_zero, flat, is_finite, load_compensated
 
 ELEMENTS_PER_PROGRAM = 1024
 
@@ -84,12 +84,9 @@ def _gather_kernel(
 def _compensate_kernel(
     x_ptr, residual_ptr, flags_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
+    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(residual_ptr + offsets, finite_or_zero(y), mask=mask)
     tl.store(flags_ptr + pid, tl.max((~is_finite(y)).to(tl.int32), axis=0))
 
@@ -106,12 +103,8 @@ def _magnitude(y):
 def _count_kernel(
     x_ptr, residual_ptr, threshold_ptr, counts_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
+    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
     tl.store(counts_ptr + pid, tl.sum(selected.to(tl.int64), axis=0))
 
@@ -128,12 +121,8 @@ def _compact_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
+    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
     position = tl.load(starts_ptr + pid) + tl.cumsum(selected.to(tl.int64), axis=0) - 1
     tl.store(values_ptr + position, y, mask=selected)
