@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .bits import pack_bits, unpack_bits
 from .common import (
+    EXACT,
     block_lanes,
     block_width,
     finite_or_zero,
@@ -153,6 +154,7 @@ def quantize_blockwise(
             STOCHASTIC=stochastic,
             NORM=scale == "norm",
             PACKED=packed and bits < 8,
+            **EXACT,
         )
     if not packed:
         codes = pack_bits(codes, bits)
@@ -186,6 +188,7 @@ def dequantize_blockwise(
             BITS=bits,
             WIDTH=block_width(block),
             ACCUMULATE=accumulate,
+            **EXACT,
         )
     return target if out is None else out
 

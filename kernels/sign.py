@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .bits import pack_bits
 from .common import (
+    EXACT,
     block_lanes,
     block_width,
     finite_or_zero,
@@ -91,6 +92,7 @@ def sign_compress(
             WIDTH=block_width(block),
             HAS_RESIDUAL=residual is not None,
             PACKED=packed,
+            **EXACT,
         )
     return (signs if packed else pack_bits(signs, 1)), scales
 
@@ -116,5 +118,6 @@ def sign_decompress(
             block,
             WIDTH=block_width(block),
             ACCUMULATE=accumulate,
+            **EXACT,
         )
     return target if out is None else out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import block_lanes, finite_or_zero, flat, is_finite, load_compensated
+from .common import EXACT, block_lanes, finite_or_zero, flat, is_finite, load_compensated
 
 ELEMENTS_PER_PROGRAM = 1024
 
@@ -158,6 +158,7 @@ def gather_compensated(x, residual, indices, scale: float, value_dtype) -> tuple
             float(scale),
             HAS_RESIDUAL=residual is not None,
             BLOCK=ELEMENTS_PER_PROGRAM,
+            **EXACT,
         )
     return values, lost
 
@@ -175,6 +176,7 @@ def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
             numel,
             HAS_RESIDUAL=residual is not None,
             BLOCK=ELEMENTS_PER_PROGRAM,
+            **EXACT,
         )
     return flags
 
@@ -205,6 +207,7 @@ def select_candidates(x, residual, threshold: torch.Tensor) -> tuple[torch.Tenso
         numel,
         HAS_RESIDUAL=has_residual,
         BLOCK=ELEMENTS_PER_PROGRAM,
+        **EXACT,
     )
     return values, indices
 
@@ -230,5 +233,7 @@ def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) 
     target = out.view(-1)
     if indices.numel():
         grid = (triton.cdiv(indices.numel(), ELEMENTS_PER_PROGRAM),)
-        _scatter_add_kernel[grid](indices, values, target, indices.numel(), BLOCK=ELEMENTS_PER_PROGRAM)
+        _scatter_add_kernel[grid](
+            indices, values, target, indices.numel(), BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
+        )
     return out

@@ -543,6 +543,9 @@ def _call_every_op(x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("backend", ["triton", "cuda", "TRITON"])
 def test_forced_unavailable_backend_raises(monkeypatch, backend):
+    # On CPU tensors Triton runs only in its interpreter, and no CUDA backend
+    # runs on CPU at all: forcing either without that must raise, not fall back.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("GRADCOMP_BACKEND", backend)
     x = seeded_randn(100, seed=81)
     with pytest.raises(RuntimeError, match="GRADCOMP_BACKEND"):

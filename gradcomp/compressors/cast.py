@@ -32,7 +32,7 @@ class NoCompression(Compressor):
         if ctx.residual is None:
             return {"values": flat}, {}
         y = reference.compensate(flat, ctx.residual)
-        values = y.to(flat.dtype)
+        values = y.to(flat.dtype, copy=True)  # store_residual consumes y
         reference.store_residual(ctx.residual, y, values.float())
         return {"values": values}, {}
 

@@ -72,18 +72,16 @@ def code_bits(levels: int) -> int:
 
 def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``x + residual`` in fp32, flattened (a fresh tensor: never aliases ``x``)."""
-    y = x.reshape(-1).to(torch.float32, copy=True)
-    if residual is not None:
-        y += residual.reshape(-1).float()
-    return y
+    if residual is None:
+        return x.reshape(-1).to(torch.float32, copy=True)
+    return torch.add(x.reshape(-1).float(), residual.reshape(-1).float())
 
 
 def store_residual(residual: torch.Tensor | None, y: torch.Tensor, decoded: torch.Tensor) -> None:
+    """``residual <- y - decoded``, non-finite entries zeroed. Consumes ``y`` (overwritten)."""
     if residual is None:
         return
-    error = y - decoded
-    error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
-    residual.view(-1).copy_(error)
+    residual.view(-1).copy_(y.sub_(decoded).nan_to_num_(0.0, 0.0, 0.0))
 
 
 def _blocks(y: torch.Tensor, block: int) -> torch.Tensor:
@@ -115,9 +113,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-codes.numel()) % per_byte
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    grouped = codes.view(-1, per_byte).to(torch.int32) << shifts.to(torch.int32)
-    return grouped.sum(dim=1).to(torch.uint8)
+    grouped = codes.view(-1, per_byte)
+    packed = grouped[:, 0].clone()
+    for position in range(1, per_byte):
+        packed |= grouped[:, position] << (position * bits)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -126,10 +126,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     if bits == 8:
         return packed.reshape(-1)[:numel]
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    mask = (1 << bits) - 1
-    codes = (packed.reshape(-1, 1).to(torch.int32) >> shifts) & mask
-    return codes.reshape(-1)[:numel].to(torch.uint8)
+    per_byte = 8 // bits
+    packed = packed.reshape(-1)
+    codes = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
+    for position in range(per_byte):
+        torch.bitwise_and(packed >> (position * bits), (1 << bits) - 1, out=codes[:, position])
+    return codes.view(-1)[:numel]
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -179,7 +181,8 @@ def quantize_blockwise(
     numel = y.numel()
     blocks = _blocks(y, block)
     if scale == "absmax":
-        magnitude = blocks.abs().amax(dim=1)
+        # The inf-norm is the absmax (NaN included) without an |y| temporary.
+        magnitude = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1)
     elif scale == "norm":
         # Scale by the absmax first: squaring values above ~1.8e19 overflows fp32.
         peak = blocks.abs().amax(dim=1, keepdim=True)
@@ -191,17 +194,19 @@ def quantize_blockwise(
     # All-zero blocks keep scale 0 and codes of level 0; inf/NaN blocks keep a
     # non-finite scale so that they decode to non-finite values.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-    scaled = blocks / divisor
+    level = blocks / divisor
     if stochastic:
-        noise = torch.rand(scaled.shape, generator=_generator(seed, y.device), device=y.device)
-        level = torch.floor(scaled + noise)
+        level += torch.rand(level.shape, generator=_generator(seed, y.device), device=y.device)
+        level.floor_()
     else:
-        level = torch.round(scaled)
-    level = torch.nan_to_num(level, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-levels, levels)
-    codes = (level + levels).to(torch.uint8).reshape(-1)[:numel]
+        level.round_()
+    level.nan_to_num_(0.0, 0.0, 0.0).clamp_(-levels, levels)
+    codes = level.add_(levels).to(torch.uint8).view(-1)[:numel]
     if residual is not None:
-        decoded = (level * scales.unsqueeze(1)).reshape(-1)[:numel]
-        store_residual(residual, y, decoded)
+        # In place (fresh CPU buffers cost page faults): level becomes the
+        # decoded value, blocks (y or its padded copy) the error.
+        blocks -= level.sub_(levels).mul_(scales.unsqueeze(1))
+        residual.view(-1).copy_(blocks.view(-1)[:numel].nan_to_num_(0.0, 0.0, 0.0))
     return pack_bits(codes, bits), scales
 
 
@@ -229,12 +234,9 @@ def dequantize_blockwise(
         ``out`` if given, else a new fp32 tensor of ``numel`` elements.
     """
     levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    codes = unpack_bits(q, bits, numel).to(torch.float32) - levels
-    pad = (-numel) % block
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    decoded = (codes.view(-1, block) * scales.float().unsqueeze(1)).reshape(-1)[:numel]
-    return write_out(decoded, out, accumulate)
+    decoded = _blocks(unpack_bits(q, bits, numel).to(torch.float32).sub_(levels), block)
+    decoded *= scales.float().unsqueeze(1)
+    return write_out(decoded.view(-1)[:numel], out, accumulate)
 
 
 def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
@@ -267,11 +269,13 @@ def sign_compress(
         counts[-1] = numel % block
     scales = blocks.abs().sum(dim=1) / counts
     # NaN has no sign: it must still decode to NaN, which its block's NaN scale ensures.
-    signs = (y >= 0).to(torch.uint8)
+    positive = blocks >= 0
+    packed = pack_bits(positive.view(-1)[:numel].view(torch.uint8), 1)
     if residual is not None:
-        decoded = torch.where(signs.bool(), 1.0, -1.0) * scales.repeat_interleave(block)[:numel]
-        store_residual(residual, y, decoded)
-    return pack_bits(signs, 1), scales
+        column = scales.unsqueeze(1)
+        blocks -= torch.where(positive, column, -column)
+        residual.view(-1).copy_(blocks.view(-1)[:numel].nan_to_num_(0.0, 0.0, 0.0))
+    return packed, scales
 
 
 def sign_decompress(
@@ -283,9 +287,9 @@ def sign_decompress(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Decode :func:`sign_compress`: ``scale * (+1 | -1)``."""
-    signs = unpack_bits(packed, 1, numel).to(torch.float32) * 2 - 1
-    decoded = signs * scales.float().repeat_interleave(block)[:numel]
-    return write_out(decoded, out, accumulate)
+    decoded = _blocks(unpack_bits(packed, 1, numel).to(torch.float32).mul_(2).sub_(1), block)
+    decoded *= scales.float().unsqueeze(1)
+    return write_out(decoded.view(-1)[:numel], out, accumulate)
 
 
 # ----------------------------------------------------------------------------- sparsification
@@ -367,12 +371,13 @@ def topk_select(
 def _keep_unsent(
     residual: torch.Tensor | None, y: torch.Tensor, indices: torch.Tensor, lost: torch.Tensor
 ) -> None:
-    """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``."""
+    """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``.
+    Consumes ``y`` (non-finite entries zeroed in place)."""
     if residual is None:
         return
     flat = residual.view(-1)
-    flat.copy_(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
-    flat[indices] = torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)).to(flat.dtype)
+    flat.copy_(y.nan_to_num_(0.0, 0.0, 0.0))
+    flat[indices] = lost.nan_to_num(0.0, 0.0, 0.0).to(flat.dtype)
 
 
 # Random-K indices: the first k outputs of a pseudo-random permutation of
