@@ -1,39 +1,55 @@
 #!/usr/bin/env bash
-# GPU check, one script for one GPU (about 5 minutes on an H200, 8 at most):
-#   1. parity of every GPU implementation against the torch reference
-#      (tests/test_triton.py on CUDA tensors: real kernels, no interpreter);
-#   2. throughput of every op per backend against a device-to-device copy
-#      (bench/kernels.py, 1M..256M elements).
+# GPU check, one script for one GPU (about 5 minutes on an H200, 7.5 at most):
+#   1. parity of every GPU implementation against the torch reference:
+#      tests/test_triton.py (real Triton kernels, no interpreter) and
+#      tests/test_cuda.py (the CUDA kernels of csrc/, compiled with NVRTC);
+#   2. throughput of every op per backend against a device-to-device copy,
+#      and CUDA Top-K against torch.topk (bench/kernels.py, 1M..256M elements).
 # Usage: bash bench/gpu_check.sh [OUTPUT_DIR]   (default bench/results)
-# Needs torch with CUDA, triton and pytest; installs nothing.
+# Needs torch with CUDA, triton, cupy and pytest; installs nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+repo="$(pwd)"
 out="${1:-bench/results}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 export PYTHONUNBUFFERED=1
 
-# gradcomp.kernels is kernels/ installed inside the package: lay that out
-# in a scratch folder instead of installing.
+# gradcomp.kernels is kernels/ installed inside the package: lay that out in a
+# scratch folder instead of installing. csrc/ goes beside the package, where the
+# cuda backend finds the sources to compile when there is no fatbin (none is
+# copied: the check runs what NVRTC makes of the sources as they are). tests/
+# and pyproject.toml go too, and pytest runs there: under `python -m`, the
+# current folder comes first on sys.path, and the repository's own gradcomp/
+# (without kernels/) would shadow the layout.
 tree="$(mktemp -d)"
 cp -r gradcomp "$tree/gradcomp"
 cp -r kernels "$tree/gradcomp/kernels"
+rm -f "$tree"/gradcomp/*.fatbin
+cp -r csrc tests pyproject.toml "$tree/"
 export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name(0))"
+  python3 -c "import cupy; print('cupy', cupy.__version__)" || echo "cupy does not import: tests/test_cuda.py skips"
 } 2>&1 | tee "$out/gpu_check-device.txt"
 
+cd "$tree"
 # The slow-marked tests run CPU ranks through Triton's interpreter: not a GPU check.
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py 2>&1 \
+timeout 160 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py 2>&1 \
   | tee "$out/gpu_check-parity.txt"
 parity=${PIPESTATUS[0]}
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+  | tee "$out/gpu_check-cuda.txt"
+cuda=${PIPESTATUS[0]}
+cd "$repo"
 
-timeout 240 python3 bench/kernels.py 2>&1 | tee "$out/gpu_check-kernels.txt"
+timeout 170 python3 bench/kernels.py 2>&1 | tee "$out/gpu_check-kernels.txt"
 bench=${PIPESTATUS[0]}
-if [ "$out" != "bench/results" ]; then
+if [ "$out" != "$repo/bench/results" ]; then
   cp bench/results/kernels-*.csv bench/results/kernels-*.json "$out/" 2>/dev/null
 fi
 rm -rf "$tree"
-echo "gpu_check: parity exit $parity, kernels bench exit $bench"
-[ "$parity" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu_check: triton parity exit $parity, cuda parity exit $cuda, kernels bench exit $bench"
+[ "$parity" -eq 0 ] && [ "$cuda" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,14 +1,19 @@
 """How fast are the compression kernels? Each op against a device-to-device copy.
 
-For every op and backend (the torch reference on the same device, Triton
-where it runs) and every size, the median time of the fused
-error-feedback op, its effective bandwidth (the bytes it must read and
-write, over its time) and that bandwidth as a fraction of a plain copy's,
-measured in the same run. Triton runs on CUDA tensors only here (its CPU
-interpreter is for testing, not timing).
+For every op and backend (the torch reference on the same device, Triton and
+the CUDA kernels of csrc/ where they run, each for the ops it has) and every
+size, the median time of the fused error-feedback op, its effective bandwidth
+(the bytes it must read and write, over its time) and that bandwidth as a
+fraction of a plain copy's, measured in the same run. Triton and CUDA run on
+CUDA tensors only here (Triton's CPU interpreter is for testing, not timing).
+
+A second section, where the cuda backend runs, times Top-K selection alone:
+the CUDA radix select (``topk_select``, exact, no residual) against
+``torch.topk(x.abs(), k)`` at 0.1%, 1% and 10% of 16M..256M fp32 elements, and
+both against one device-to-device copy of the input.
 
     python bench/kernels.py                      # 1M..256M elements on a GPU, 1M..4M on CPU
-    python bench/kernels.py --sizes 64M --ops quantize_int8_ef,copy
+    python bench/kernels.py --sizes 64M --ops quantize_int8_ef,copy --topk-sizes 64M
 
 Writes ``bench/results/kernels-<machine>.{csv,json}``.
 """
@@ -27,6 +32,8 @@ from gradcomp import ops
 
 GPU_SIZES = "1M,4M,16M,64M,256M"
 CPU_SIZES = "1M,4M"
+TOPK_SIZES = "16M,64M,256M"
+TOPK_RATIOS = "0.001,0.01,0.1"
 
 # H200 targets from the project's issues, checked at this size when a GPU runs.
 TARGET_SIZE = 64 * 2**20
@@ -36,6 +43,9 @@ TARGETS = {
     "sign_ef": (0.8, 3.0),
     "dequantize_int8_accumulate": (0.8, None),
 }
+# CUDA Top-K at 1% of 64M: at least this many times faster than torch.topk(x.abs(), k),
+# and at most this many times a copy's time.
+TOPK_TARGET = {"ratio": 0.01, "speedup": 5.0, "times_copy": 4.0}
 
 
 def elements(n: int) -> str:
@@ -54,7 +64,7 @@ def _case(n: int, device: torch.device, seed: int = 0):
 
 
 def build_cases(n: int, device: torch.device):
-    """name -> (bytes read + written, setup() -> run(op_lookup) callable)."""
+    """name -> (op it runs, bytes read + written, run(op_lookup) callable)."""
     x, residual = _case(n, device)
     k = max(1, n // 100)
     codes8, scales8 = ops.reference.quantize_blockwise(x, 8, 256)
@@ -62,48 +72,69 @@ def build_cases(n: int, device: torch.device):
     out = torch.zeros(n, device=device)
     copy_target = torch.empty_like(x)
     cases = {
-        "copy": (8 * n, lambda impl: copy_target.copy_(x)),
+        "copy": (None, 8 * n, lambda impl: copy_target.copy_(x)),
         "quantize_int8_ef": (
+            "quantize_blockwise",
             4 * n + 8 * n + n + 4 * (n // 256),
             lambda impl: impl("quantize_blockwise")(x, 8, 256, False, 0, residual),
         ),
         "quantize_int4_ef": (
+            "quantize_blockwise",
             4 * n + 8 * n + n // 2 + 4 * (n // 256),
             lambda impl: impl("quantize_blockwise")(x, 4, 256, False, 0, residual),
         ),
         "quantize_int8_stochastic_ef": (
+            "quantize_blockwise",
             4 * n + 8 * n + n + 4 * (n // 256),
             lambda impl: impl("quantize_blockwise")(x, 8, 256, True, 1, residual),
         ),
         "sign_ef": (
+            "sign_compress",
             4 * n + 8 * n + n // 8 + 4 * (n // 1024),
             lambda impl: impl("sign_compress")(x, 1024, residual),
         ),
         "dequantize_int8_accumulate": (
+            "dequantize_blockwise",
             n + 4 * (n // 256) + 8 * n,
             lambda impl: impl("dequantize_blockwise")(codes8, scales8, 8, 256, n, out, True),
         ),
         "sign_decode_accumulate": (
+            "sign_decompress",
             n // 8 + 4 * (n // 1024) + 8 * n,
             lambda impl: impl("sign_decompress")(signs, sign_scales, 1024, n, out, True),
         ),
-        "randk_1pct_ef": (4 * n + 8 * n + 8 * k, lambda impl: impl("randk_select")(x, k, 5, residual)),
-        "topk_1pct_ef": (4 * n + 8 * n + 8 * k, lambda impl: impl("topk_select")(x, k, residual, seed=5)),
+        "randk_1pct_ef": (
+            "randk_select",
+            4 * n + 8 * n + 8 * k,
+            lambda impl: impl("randk_select")(x, k, 5, residual),
+        ),
+        "topk_1pct_ef": (
+            "topk_select",
+            4 * n + 8 * n + 8 * k,
+            lambda impl: impl("topk_select")(x, k, residual, seed=5),
+        ),
     }
     return cases
 
 
 def backends_for(device: torch.device) -> list[str]:
+    """``torch`` and every optional backend that is installed and runs on ``device``."""
     names = ["torch"]
     if device.type == "cuda":
         try:
             ops.implementation("quantize_blockwise", device)  # loads optional backends
-            from gradcomp.ops import _REGISTRY
-
-            names += [name for name in ("triton", "cuda") if name in _REGISTRY]
         except RuntimeError:
-            pass
+            return names
+        from gradcomp.ops import _REGISTRY
+
+        names += [name for name in ("triton", "cuda") if name in _REGISTRY and _REGISTRY[name][0](device)]
     return names
+
+
+def provides(backend: str, op: str) -> bool:
+    from gradcomp.ops import _REGISTRY
+
+    return op in _REGISTRY[backend][1]
 
 
 def lookup(backend: str):
@@ -140,14 +171,14 @@ def measure_size(
 ) -> list[dict]:
     """Records of every op and backend at ``n`` elements, the copy measured first."""
     cases = build_cases(n, device)
-    copy_bytes, copy = cases.pop("copy")
+    _, copy_bytes, copy = cases.pop("copy")
     copy_seconds = timed(lambda: copy(None), device, args.warmup, args.iters)
     copy_bandwidth = copy_bytes / copy_seconds
     records = [_record("copy", "copy", n, copy_bytes, copy_seconds, copy_bandwidth, copy_seconds)]
     for name in wanted or list(cases):
-        nbytes, fn = cases[name]
+        op, nbytes, fn = cases[name]
         reference_seconds = None
-        for backend in backends:
+        for backend in [backend for backend in backends if provides(backend, op)]:
             impl = lookup(backend)
             seconds = timed(lambda fn=fn, impl=impl: fn(impl), device, args.warmup, args.iters)
             reference_seconds = reference_seconds or seconds
@@ -168,25 +199,81 @@ def _record(op, backend, n, nbytes, seconds, copy_bandwidth, reference_seconds) 
     }
 
 
+def topk_label(ratio: float) -> str:
+    """``0.01`` -> ``"topk_1pct"``."""
+    return f"topk_{ratio * 100:g}pct"
+
+
+def measure_topk(n: int, device: torch.device, ratios: list[float], args) -> list[dict]:
+    """CUDA Top-K (exact, no residual) and ``torch.topk(x.abs(), k)`` at ``n`` fp32
+    elements, each against one device-to-device copy of the input."""
+    x = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(0))
+    copy_target = torch.empty_like(x)
+    copy_seconds = timed(lambda: copy_target.copy_(x), device, args.warmup, args.iters)
+    select = lookup("cuda")("topk_select")
+    records = []
+    for ratio in ratios:
+        k = max(1, round(ratio * n))
+        baseline = timed(lambda k=k: torch.topk(x.abs(), k, sorted=False), device, args.warmup, args.iters)
+        radix = timed(lambda k=k: select(x, k, None, True), device, args.warmup, args.iters)
+        for backend, seconds in (("torch.topk", baseline), ("cuda", radix)):
+            records.append(
+                {
+                    "op": topk_label(ratio),
+                    "backend": backend,
+                    "elements": n,
+                    "k": k,
+                    "median_ms": seconds * 1e3,
+                    "copy_ms": copy_seconds * 1e3,
+                    "times_copy": seconds / copy_seconds,
+                    "speedup_vs_torch_topk": baseline / seconds,
+                }
+            )
+    return records
+
+
 def run(args) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     default = GPU_SIZES if device.type == "cuda" else CPU_SIZES
     sizes = [common.parse_size(s) for s in common.split_list([args.sizes or default])]
     wanted = [op for op in common.split_list([args.ops]) if op != "copy"] if args.ops else None
     backends = backends_for(device)
+    topk_sizes = (
+        [common.parse_size(s) for s in common.split_list([args.topk_sizes])] if "cuda" in backends else []
+    )
+    ratios = [float(r) for r in common.split_list([args.topk_ratios])]
     records = []
-    progress = common.Progress(total=len(sizes), enabled=args.progress)
+    progress = common.Progress(total=len(sizes) + len(topk_sizes), enabled=args.progress)
     for position, n in enumerate(sizes):
         progress.update(position, f"{elements(n)} elements")
         records += measure_size(n, device, backends, wanted, args)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for position, n in enumerate(topk_sizes, start=len(sizes)):
+        progress.update(position, f"Top-K at {elements(n)} elements")
+        records += measure_topk(n, device, ratios, args)
+        torch.cuda.empty_cache()
     progress.close()
     return records
 
 
 def check_targets(records: list[dict]) -> list[str]:
     lines = []
+    for record in records:
+        if (
+            record["op"] == topk_label(TOPK_TARGET["ratio"])
+            and record["backend"] == "cuda"
+            and record["elements"] == TARGET_SIZE
+        ):
+            met = (
+                record["speedup_vs_torch_topk"] >= TOPK_TARGET["speedup"]
+                and record["times_copy"] <= TOPK_TARGET["times_copy"]
+            )
+            lines.append(
+                f"cuda topk at 1% of 64M: {record['speedup_vs_torch_topk']:.1f}x torch.topk "
+                f"(target {TOPK_TARGET['speedup']:g}x), {record['times_copy']:.1f}x a copy's time "
+                f"(target at most {TOPK_TARGET['times_copy']:g}x)" + (" -- met" if met else " -- MISSED")
+            )
     for op, (fraction, speedup) in TARGETS.items():
         for record in records:
             if record["op"] == op and record["backend"] == "triton" and record["elements"] == TARGET_SIZE:
@@ -212,6 +299,16 @@ def parser() -> argparse.ArgumentParser:
         "--sizes", help=f"elements, e.g. 1M,64M (default {GPU_SIZES} on GPU, {CPU_SIZES} on CPU)"
     )
     result.add_argument("--ops", help="comma list of ops (default all)")
+    result.add_argument(
+        "--topk-sizes",
+        default=TOPK_SIZES,
+        help=f"elements of the Top-K section, run where the cuda backend runs (default {TOPK_SIZES})",
+    )
+    result.add_argument(
+        "--topk-ratios",
+        default=TOPK_RATIOS,
+        help=f"k / elements in the Top-K section (default {TOPK_RATIOS})",
+    )
     result.add_argument("--warmup", type=int, default=3)
     result.add_argument("--iters", type=int, default=10)
     result.add_argument(
@@ -243,8 +340,29 @@ def main(argv=None) -> None:
             f"{r['speedup_vs_torch']:.2f}x",
         ]
         for r in records
+        if "gb_per_s" in r
     ]
     print(common.format_table(header, rows))
+    topk = [r for r in records if "speedup_vs_torch_topk" in r]
+    if topk:
+        print("\n# Top-K alone: CUDA radix select vs torch.topk(x.abs(), k), fp32, no residual")
+        header = ["k / n", "backend", "elements", "k", "median ms", "copy ms", "x copy", "vs torch.topk"]
+        rows = [
+            [
+                r["op"],
+                r["backend"],
+                elements(r["elements"]),
+                str(r["k"]),
+                f"{r['median_ms']:.3f}",
+                f"{r['copy_ms']:.3f}",
+                f"{r['times_copy']:.2f}x",
+                f"{r['speedup_vs_torch_topk']:.2f}x",
+            ]
+            for r in topk
+        ]
+        print(common.format_table(header, rows))
+    elif args.topk_sizes:
+        print("\n# Top-K section skipped: the cuda backend does not run here")
     for line in check_targets(records):
         print(line)
     for path in results.write(records, extra={"gradcomp": gradcomp.__version__}):

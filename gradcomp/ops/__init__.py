@@ -44,16 +44,22 @@ _REGISTRY: dict[str, tuple[Callable[[torch.device], bool], dict[str, Callable]]]
     "torch": (lambda device: True, {name: getattr(reference, name) for name in OP_NAMES}),
 }
 # Optional backends, imported on first use so that `import gradcomp` stays light
-# and never fails for lack of them: backend -> module with FUNCTIONS and is_available.
-_OPTIONAL = {"triton": "gradcomp.ops.triton_backend"}
+# and never fails for lack of them: backend -> (module with FUNCTIONS and
+# is_available, the package it needs).
+_OPTIONAL = {
+    "triton": ("gradcomp.ops.triton_backend", "triton"),
+    "cuda": ("gradcomp.ops.cuda_backend", "cupy"),
+}
 # Backends used when nothing is forced. The Triton interpreter runs on CPU
 # tensors too, but only for testing: it is used there only when forced.
 _AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "torch": ("cpu", "cuda")}
 
 
 def _load_optional(name: str) -> None:
-    module_name = _OPTIONAL.get(name)
-    if name in _REGISTRY or module_name is None or importlib.util.find_spec("triton") is None:
+    if name in _REGISTRY or name not in _OPTIONAL:
+        return
+    module_name, package = _OPTIONAL[name]
+    if importlib.util.find_spec(package) is None:
         return
     module = importlib.import_module(module_name)
     _REGISTRY[name] = (module.is_available, dict(module.FUNCTIONS))
