@@ -37,23 +37,19 @@ class BuildWithFatbins(build_py):
             print("gradcomp: nvcc not found; skipping the CUDA fatbins (NVRTC or torch/Triton will be used)")
             return
         archs = os.environ.get("GRADCOMP_CUDA_ARCHS", DEFAULT_ARCHS)
-        for target_root in {Path(self.build_lib) / "gradcomp", ROOT / "gradcomp"}:
-            target_root.mkdir(parents=True, exist_ok=True)
-            for source in sources:
-                target = target_root / (source.stem + ".fatbin")
-                command = [
-                    nvcc,
-                    "--fatbin",
-                    "-O3",
-                    "-I",
-                    str(ROOT / "csrc"),
-                    *nvcc_flags(archs),
-                    "-o",
-                    str(target),
-                    str(source),
-                ]
-                print("gradcomp:", " ".join(command))
-                subprocess.run(command, check=True)
+        # Compiled once into the source tree (what an editable install loads),
+        # then copied into the build folder (what a wheel ships).
+        package = ROOT / "gradcomp"
+        built = Path(self.build_lib) / "gradcomp"
+        built.mkdir(parents=True, exist_ok=True)
+        for source in sources:
+            target = package / (source.stem + ".fatbin")
+            command = [nvcc, "--fatbin", "-O3", "-I", str(ROOT / "csrc"), *nvcc_flags(archs)]
+            command += ["-o", str(target), str(source)]
+            print("gradcomp:", " ".join(command))
+            subprocess.run(command, check=True)
+            if built.resolve() != package.resolve():
+                shutil.copy2(target, built / target.name)
 
 
 setup(cmdclass={"build_py": BuildWithFatbins})
