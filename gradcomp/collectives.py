@@ -243,21 +243,18 @@ def resolve_op(op) -> str:
     raise ValueError(f"op must be 'avg' or 'sum' (or dist.ReduceOp.AVG / SUM), got {op!r}")
 
 
-def default_algorithm(compressor: Compressor, world_size: int | None = None) -> str:
+def default_algorithm(compressor: Compressor) -> str:
     """``dense`` for summable payloads, ``allgather`` for sparse or variable-size
-    ones, ``two_phase`` otherwise -- except on 2 ranks, where ``allgather``
-    sends the same bytes as ``two_phase`` with one compression instead of 1.5."""
+    ones, ``two_phase`` otherwise."""
     if compressor.summable:
         return "dense"
-    if compressor.sparse or not compressor.fixed_size or world_size == 2:
+    if compressor.sparse or not compressor.fixed_size:
         return "allgather"
     return "two_phase"
 
 
-def check_algorithm(compressor: Compressor, algorithm: str | None) -> str | None:
-    """``algorithm`` if ``compressor`` supports it (None: the default, chosen per world size)."""
-    if algorithm is None:
-        return None
+def check_algorithm(compressor: Compressor, algorithm: str | None) -> str:
+    algorithm = algorithm or default_algorithm(compressor)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "dense" and not compressor.summable:
@@ -318,7 +315,7 @@ class Job:
     tensor: torch.Tensor
     compressor: Compressor
     op: str
-    algorithm: str | None  # None: default_algorithm for the group's size
+    algorithm: str
     memory: ErrorFeedback | None
     key: int
     step: int
@@ -366,8 +363,6 @@ def _residual(job: Job, name: Hashable, like: torch.Tensor) -> torch.Tensor | No
 def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
     """Run ``job`` on ``q``'s group, blocking; called on the queue's worker thread."""
     tensor = job.tensor
-    if job.algorithm is None:
-        job = dataclasses.replace(job, algorithm=default_algorithm(job.compressor, q.world_size))
     dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
     stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
     if tensor.numel() == 0:
@@ -532,7 +527,7 @@ def all_reduce(
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
         async_op: return a :class:`Work` at once instead of waiting.
         algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default
-            from the compressor and the group's size (:func:`default_algorithm`).
+            from the compressor (:func:`default_algorithm`).
         feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
             for none, or None for the compressor's default (a memory kept per
             compressor object).

@@ -97,8 +97,7 @@ class HookState:
         process_group: group to reduce over (default WORLD).
         warmup_steps: the first steps are reduced dense (no compression).
         min_numel: buckets with fewer elements are reduced dense.
-        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"`` (default:
-            chosen from the compressor and the group's size).
+        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``.
         residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`ErrorFeedback`).
         measure_error: keep ``relative_error`` in the statistics (costs one
             extra pass over each bucket).
@@ -167,7 +166,7 @@ class HookState:
         logger.info(
             "gradcomp hook: %r, algorithm=%s, warmup_steps=%d, min_numel=%d, residual_dtype=%s",
             self.compressor,
-            self.algorithm or "default",
+            self.algorithm,
             warmup_steps,
             min_numel,
             residual_dtype,
