@@ -1,0 +1,441 @@
+"""End to end: DDP training steps of a ~25M-parameter MLP with each way of communicating.
+
+Every run trains the same model (same seed, same synthetic data, SGD with
+momentum) for ``--steps`` steps on spawned Gloo ranks and reports the median
+step time over the steps after ``--warmup-steps`` (each step after a
+barrier; a step's time is the slowest rank's). The runs:
+
+* ``compute only``: a no-op comm hook that returns each bucket unchanged
+  (no communication at all): the compute time of a step in this run;
+* ``dense``: DDP without a hook (fp32 all-reduce);
+* ``torch fp16 hook``: ``default_hooks.fp16_compress_hook``;
+* ``torch PowerSGD``: ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``
+  (torch's defaults otherwise: error feedback, warm start). It issues its
+  collectives from ``Future`` callbacks, whose order can differ between ranks
+  when a model spans several buckets; Gloo then aborts the process. So it
+  runs in processes of its own, a failure is reported as such, and it is
+  retried with the whole model in one bucket;
+* each gradcomp compressor: ``gradcomp.ddp.register`` with the compressor's
+  defaults (error feedback on for biased ones) and ``measure_error=False``
+  (the diagnostic pass is not part of training).
+
+Communication time = step time - the compute-only step time, so it holds
+all a hook costs: compression on the CPU as well as the transfers. Bytes
+per step are what one rank sends under the ring model (as gradcomp's
+``StepStats.bytes_sent``): gradcomp from ``state.stats``; dense and fp16
+``2 (W-1)/W * numel * 4 or 2``; PowerSGD ``2 (W-1)/W * 4 *`` the elements it
+all-reduces per step (its P and Q factors plus the tensors it leaves
+uncompressed), from ``PowerSGDState.total_numel_after_compression``.
+
+Examples:
+    python bench/ddp_train.py
+    python bench/ddp_train.py --bandwidth 1gbit            # needs root
+    python bench/ddp_train.py --compressors int8 topk:ratio=0.001 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import common
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import gradcomp
+from gradcomp.collectives import ring_all_reduce_bytes
+from gradcomp.demo import make_mlp
+
+DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
+BASELINES = ("fp16_hook", "powersgd")
+LABELS = {
+    "compute": "compute only",
+    "dense": "dense",
+    "fp16_hook": "torch fp16 hook",
+    "powersgd": "torch PowerSGD r4",
+}
+# Bytes on the wire per gradient element of the runs that do not report their own.
+WIRE_BYTES = {"compute": 0, "dense": 4, "fp16_hook": 2}
+ONE_BUCKET_MB = 4096.0
+CLASSES = 10
+LATENT = 16
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Ranks are spawned Gloo processes on 127.0.0.1 (each with its share of the cores).",
+    )
+    top.add_argument(
+        "--compressors",
+        nargs="*",
+        default=list(DEFAULT_COMPRESSORS),
+        metavar="NAME[:k=v,...]",
+        help=f"gradcomp compressors (default: {' '.join(DEFAULT_COMPRESSORS)}; topk and randk keep 1%%)",
+    )
+    top.add_argument(
+        "--baselines",
+        nargs="*",
+        default=list(BASELINES),
+        choices=BASELINES,
+        help="torch hooks to compare as well (default: both); dense and compute only always run",
+    )
+    top.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
+    top.add_argument(
+        "--warmup-steps", type=int, default=3, help="first steps left out of the timing (default 3, min 2)"
+    )
+    top.add_argument("--batch-size", type=int, default=64, help="samples per rank and step (default 64)")
+    top.add_argument("--features", type=int, default=2048, help="MLP input width (default 2048)")
+    top.add_argument("--width", type=int, default=4096, help="MLP hidden width (default 4096: 25.2M params)")
+    top.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    top.add_argument("--lr", type=float, default=0.03, help="SGD learning rate (default 0.03)")
+    top.add_argument(
+        "--link-check-bytes",
+        type=common.parse_size,
+        default=common.parse_size("64MiB"),
+        help="size of the dense all-reduce that measures the link first (default 64MiB)",
+    )
+    common.add_common_options(top)
+    common.add_bandwidth_option(top)
+    return top
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def plan(args: argparse.Namespace) -> list[dict]:
+    """The runs in table order: compute only, dense, torch baselines, gradcomp compressors."""
+    runs = [dict(kind=kind, label=LABELS[kind]) for kind in ("compute", "dense")]
+    if "fp16_hook" in args.baselines:
+        runs.append(dict(kind="fp16_hook", label=LABELS["fp16_hook"]))
+    if "powersgd" in args.baselines:
+        runs.append(dict(kind="powersgd", label=LABELS["powersgd"]))
+    for spec in args.compressors:
+        label, name, options = common.parse_compressor(spec)
+        runs.append(dict(kind="gradcomp", label=label, name=name, options=options))
+    return runs
+
+
+def _no_communication(state, bucket):
+    # No annotations: DDP compares them with dist.GradBucket, and this module's are strings.
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def attach(model: DistributedDataParallel, run: dict):
+    """Register the run's hook; returns its state (None for dense)."""
+    if run["kind"] == "compute":
+        model.register_comm_hook(None, _no_communication)
+    elif run["kind"] == "fp16_hook":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif run["kind"] == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    elif run["kind"] == "gradcomp":
+        return gradcomp.ddp.register(model, run["name"], measure_error=False, **run["options"])
+    return None
+
+
+def samples(seed: int, count: int, settings: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` samples: inputs spread from a 16-dimensional latent, labels from a linear
+    teacher on that latent (a task the MLP learns in a few steps, so the loss tells runs apart)."""
+    fixed = torch.Generator().manual_seed(7)
+    mixing = torch.randn(LATENT, settings["features"], generator=fixed) / 4
+    teacher = torch.randn(LATENT, CLASSES, generator=fixed)
+    latent = torch.randn(count, LATENT, generator=torch.Generator().manual_seed(seed))
+    return latent @ mixing, (latent @ teacher).argmax(dim=1)
+
+
+def batch(step: int, rank: int, world_size: int, settings: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of step ``step``'s global batch."""
+    inputs, labels = samples(1_000_003 * (step + 1), settings["batch_size"] * world_size, settings)
+    return inputs[rank::world_size], labels[rank::world_size]
+
+
+def train(rank: int, world_size: int, run: dict, settings: dict, position: str) -> dict:
+    """One run on every rank: time ``steps`` steps, then the loss on a held-out batch (rank 0)."""
+    net = make_mlp(settings["features"], settings["width"], CLASSES, seed=0)
+    cap = run.get("bucket_cap_mb", settings["bucket_cap_mb"])
+    model = DistributedDataParallel(net, bucket_cap_mb=cap)
+    state = attach(model, run)
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
+    steps, warmup = settings["steps"], settings["warmup_steps"]
+    progress = common.Progress(steps, settings["progress"] if rank == 0 else False)
+    seconds, psgd_before = [], 0
+    for step in range(steps):
+        if step == warmup and run["kind"] == "powersgd":
+            psgd_before = state.total_numel_after_compression
+        inputs, labels = batch(step, rank, world_size, settings)
+        dist.barrier()
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - began)
+        progress.update(step + 1, f"[{position}] {run['label']}")
+    progress.close()
+    slowest = torch.tensor(seconds[warmup:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    numel = sum(p.numel() for p in net.parameters())
+    timed = steps - warmup
+    if run["kind"] == "gradcomp":
+        kept = state.stats[-timed:]
+        sent = statistics.mean(s.bytes_sent for s in kept)
+        compress_ms = 1e3 * statistics.mean(s.compress_seconds for s in kept)
+    elif run["kind"] == "powersgd":
+        elements = (state.total_numel_after_compression - psgd_before) / timed
+        sent, compress_ms = ring_all_reduce_bytes(round(4 * elements), world_size), math.nan
+    else:
+        sent, compress_ms = ring_all_reduce_bytes(numel * WIRE_BYTES[run["kind"]], world_size), math.nan
+    with torch.no_grad():
+        inputs, labels = samples(12345, 2048, settings)
+        loss = F.cross_entropy(net(inputs), labels).item() if run["kind"] != "compute" else math.nan
+    return dict(
+        run=run["label"],
+        kind=run["kind"],
+        note=run.get("note", ""),
+        failed="",
+        parameters=numel,
+        buckets=bucket_count(model),
+        step_ms=1e3 * statistics.median(slowest.tolist()),
+        step_ms_all=[round(1e3 * s, 2) for s in slowest.tolist()],
+        bytes_per_step=sent,
+        dense_bytes_per_step=ring_all_reduce_bytes(numel * 4, world_size),
+        compress_ms=compress_ms,
+        loss=loss,
+    )
+
+
+def bucket_count(model: DistributedDataParallel) -> int:
+    """DDP's bucket count after its rebuild after the first step (from DDP's logging data;
+    0 if unavailable)."""
+    logging_data = getattr(model, "_get_ddp_logging_data", dict)()
+    sizes = str(logging_data.get("rebuilt_bucket_sizes", logging_data.get("bucket_sizes", "")))
+    return len(sizes.split(",")) if sizes else 0
+
+
+def check_link(world_size: int, nbytes: int, iters: int = 3) -> dict:
+    """Time a dense all-reduce of ``nbytes`` (median of the slowest rank) to measure the link."""
+    tensor = torch.ones(nbytes // 4)
+    seconds = []
+    for iteration in range(1 + iters):
+        dist.barrier()
+        began = time.perf_counter()
+        dist.all_reduce(tensor)
+        if iteration:
+            seconds.append(time.perf_counter() - began)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    median = statistics.median(slowest.tolist())
+    # Every rank's ring traffic crosses the one loopback.
+    crossing = world_size * ring_all_reduce_bytes(nbytes, world_size)
+    check = dict(bytes=nbytes, seconds=median, loopback_gbit_per_s=crossing * 8 / median / 1e9)
+    link = common.link_info()
+    if link:
+        check["expected_seconds"] = crossing * 8 / link["bits_per_second"]
+    return check
+
+
+def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_check: bool) -> dict:
+    """Body of the spawned ranks: optionally the link check, then each run in turn."""
+    check = check_link(world_size, settings["link_check_bytes"]) if link_check else None
+    records = [
+        train(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}") for run in runs
+    ]
+    return dict(link_check=check, records=records)
+
+
+# ----------------------------------------------------------------------------- driver and report
+
+
+def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
+    """Run everything; PowerSGD in processes of its own (a Gloo abort must not end the bench).
+
+    Misordered collectives can also hang instead of aborting, so PowerSGD's
+    ranks get a deadline: a minute plus ten times the dense run's duration.
+    """
+    ordinary = [run for run in runs if run["kind"] != "powersgd"]
+    outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, True)
+    records = {record["run"]: record for record in outcome["records"]}
+    dense_seconds = records[LABELS["dense"]]["step_ms"] / 1e3 * settings["steps"]
+    deadline = 60 + 10 * dense_seconds
+    for run in [run for run in runs if run["kind"] == "powersgd"]:
+        for attempt in (run, {**run, "label": f"{run['label']}, 1 bucket", "bucket_cap_mb": ONE_BUCKET_MB}):
+            if attempt is not run:
+                attempt["note"] = f"bucket_cap_mb={ONE_BUCKET_MB:g} (whole model in one bucket)"
+                runs.insert(runs.index(run) + 1, attempt)
+            try:
+                result = common.spawn(ranks, settings["spawn"], [attempt], settings, False, timeout=deadline)
+                records[attempt["label"]] = result["records"][0]
+                break
+            except common.RanksFailed as error:
+                records[attempt["label"]] = dict(
+                    run=attempt["label"], kind="powersgd", note=attempt.get("note", ""), failed=error.reason
+                )
+                sys.stderr.write(f"{attempt['label']} failed: {error.reason}\n")
+    return outcome["link_check"], [records[run["label"]] for run in runs]
+
+
+def derive(records: list[dict]) -> None:
+    """Add communication time and the ratios to each record, from the same run's baselines."""
+    by_kind = {record["kind"]: record for record in records if not record["failed"]}
+    compute = by_kind["compute"]["step_ms"]
+    dense = by_kind["dense"]
+    dense_comm = dense["step_ms"] - compute
+    fp16 = by_kind.get("fp16_hook")
+    fp16_comm = fp16["step_ms"] - compute if fp16 else math.nan
+    for record in records:
+        if record["failed"]:
+            continue
+        comm = record["step_ms"] - compute
+        record["compute_ms"] = compute
+        record["comm_ms"] = comm if record["kind"] != "compute" else 0.0
+        record["ratio"] = common.ratio(record["dense_bytes_per_step"], record["bytes_per_step"])
+        if record["kind"] != "compute":
+            record["comm_speedup_vs_dense"] = common.ratio(dense_comm, comm)
+            record["comm_speedup_vs_fp16_hook"] = common.ratio(fp16_comm, comm)
+            record["step_speedup_vs_dense"] = common.ratio(dense["step_ms"], record["step_ms"])
+
+
+def format_report(records: list[dict]) -> str:
+    header = [
+        "run",
+        "bytes/step",
+        "ratio",
+        "step ms",
+        "comm ms",
+        "comm x dense",
+        "comm x fp16",
+        "step x dense",
+        "compress ms",
+        "loss",
+        "buckets",
+        "note",
+    ]
+    rows = []
+    for r in records:
+        if r["failed"]:
+            rows.append([r["run"], *["-"] * 10, f"failed: {r['failed']}; {r['note']}".strip("; ")])
+            continue
+        rows.append(
+            [
+                r["run"],
+                f"{r['bytes_per_step']:,.0f}",
+                common.fmt(r["ratio"], ".1f"),
+                f"{r['step_ms']:.0f}",
+                f"{r['comm_ms']:.0f}",
+                common.fmt(r.get("comm_speedup_vs_dense"), ".2f", "x"),
+                common.fmt(r.get("comm_speedup_vs_fp16_hook"), ".2f", "x"),
+                common.fmt(r.get("step_speedup_vs_dense"), ".2f", "x"),
+                common.fmt(r["compress_ms"], ".0f"),
+                common.fmt(r["loss"], ".4f"),
+                str(r["buckets"]),
+                r["note"],
+            ]
+        )
+    return common.format_table(header, rows, left=(0, -1))
+
+
+def plot(records: list[dict], title: str, path: str) -> None:
+    """Stacked bars: compute and communication time per run, bytes ratio on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(max(8, 1.1 * len(records)), 5))
+    labels = [r["run"] for r in records]
+    positions = range(len(records))
+    compute = [0 if r["failed"] else r["compute_ms"] for r in records]
+    comm = [0 if r["failed"] else max(r["comm_ms"], 0) for r in records]
+    axis.bar(positions, compute, color="#9aa5b1", label="compute (compute-only run)")
+    axis.bar(positions, comm, bottom=compute, color="#d9534f", label="communication (step - compute)")
+    for x, r in zip(positions, records, strict=True):
+        axis.text(x, 0 if r["failed"] else r["step_ms"], _bar_label(r), ha="center", va="bottom", fontsize=7)
+    axis.set_ylim(0, 1.15 * max(r.get("step_ms", 0) for r in records))
+    axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=8)
+    axis.set_ylabel("median step time (ms)")
+    axis.legend(fontsize=8)
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _bar_label(record: dict) -> str:
+    if record["failed"]:
+        return "failed"
+    if record["kind"] in ("compute", "dense"):
+        return f"{record['step_ms']:.0f} ms"
+    return f"{record['step_ms']:.0f} ms\n{record['ratio']:.0f}x fewer bytes"
+
+
+def describe(settings: dict, records: list[dict]) -> str:
+    parameters = next(r["parameters"] for r in records if not r["failed"])
+    return (
+        f"MLP {settings['features']}-{settings['width']}-{settings['width']}-{CLASSES} "
+        f"({parameters:,} parameters, bucket_cap_mb {settings['bucket_cap_mb']:g}), synthetic "
+        f"data (a linear teacher on a {LATENT}-dim latent), batch {settings['batch_size']} per rank, "
+        f"SGD lr {settings['lr']} momentum 0.9, "
+        f"{settings['steps']} steps ({settings['warmup_steps']} untimed), median of the slowest rank; "
+        "loss: cross-entropy on 2048 held-out samples after the steps"
+    )
+
+
+def describe_link(check: dict) -> str:
+    text = (
+        f"link check: dense all_reduce of {common.format_size(check['bytes'])} took "
+        f"{check['seconds']:.3f} s = {check['loopback_gbit_per_s']:.2f} Gbit/s through the loopback "
+        "(all ranks' traffic together)"
+    )
+    if "expected_seconds" in check:
+        text += f"; the limit allows at best {check['expected_seconds']:.3f} s"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    common.maybe_run_limited(args)
+    args.compressors = common.split_list(args.compressors)
+    try:
+        runs = plan(args)
+    except argparse.ArgumentTypeError as error:
+        parser().error(str(error))
+    if args.warmup_steps < 2 or args.steps <= args.warmup_steps or args.spawn < 2:
+        parser().error(
+            "need --warmup-steps >= 2 (PowerSGD starts at step 2), --steps > --warmup-steps, --spawn >= 2"
+        )
+    for position, run in enumerate(runs, 1):
+        run["position"] = position
+    settings = {**vars(args), "total_runs": len(runs)}
+    results = common.Results("ddp_train", common.machine(args.spawn, "gloo"), settings, args.out)
+    print(f"machine: {results.machine['machine']}", flush=True)
+    try:
+        check, records = execute(runs, settings)
+    except common.RanksFailed as error:
+        sys.stderr.write(f"ddp_train failed: {error}\n")
+        return 1
+    derive(records)
+    print(describe(settings, records))
+    print(describe_link(check))
+    print(format_report(records))
+    paths = results.write(records, extra=dict(link_check=check))
+    png = results.path("png")
+    plot(records, f"ddp_train: {results.machine['machine']}", png)
+    print(f"wrote {', '.join([*paths, png])}")
+    print(f"load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Smoke tests of the bench scripts: tiny runs, checked for their tables and result files."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+common = importlib.import_module("common")
+
+MACHINE_COLUMNS = {"machine", "cpus", "cpu_model", "gpu", "torch", "world_size", "backend", "link"}
+LOAD_COLUMNS = {"load_start", "load_end"}
+TINY_MODEL = ["--features", "32", "--width", "64", "--steps", "3", "--warmup-steps", "2"]
+
+
+def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, os.path.join(BENCH, name), *args], capture_output=True, timeout=timeout, cwd=ROOT
+    )
+    # Decoded by hand: text mode would turn the progress line's carriage returns into newlines.
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def read_results(directory, stem: str) -> tuple[list[dict], dict]:
+    with open(os.path.join(directory, f"{stem}.csv")) as file:
+        rows = list(csv.DictReader(file))
+    with open(os.path.join(directory, f"{stem}.json")) as file:
+        document = json.load(file)
+    assert os.path.getsize(os.path.join(directory, f"{stem}.png")) > 1000
+    assert MACHINE_COLUMNS | LOAD_COLUMNS <= set(rows[0])
+    assert document["machine"]["cpus"] == os.cpu_count()
+    assert len(document["load_start"]) == len(document["load_end"]) == 3
+    return rows, document
+
+
+def stem(benchmark: str, world_size: int = 2) -> str:
+    return f"{benchmark}-{common.machine_kind()}-w{world_size}"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def test_sizes_rates_and_lists_parse():
+    assert common.parse_size("64KiB") == 65536
+    assert common.parse_size("1M") == 2**20
+    assert common.parse_size("4096") == 4096
+    assert common.format_size(65536) == "64K"
+    assert common.format_size(1.5 * 2**20) == "1.5M"
+    assert common.parse_rate("1gbit") == 1e9
+    assert common.parse_rate("100mbit") == 1e8
+    assert common.split_list(["int8,fp16", "topk:ratio=0.1,exact=true"]) == [
+        "int8",
+        "fp16",
+        "topk:ratio=0.1,exact=true",
+    ]
+    assert common.parse_compressor("topk:ratio=0.1,exact=true") == (
+        "topk:ratio=0.1,exact=true",
+        "topk",
+        {"ratio": 0.1, "exact": True},
+    )
+    for bad in ("int9", "topk:ratio", "topk:bogus=1"):
+        with pytest.raises(Exception, match="."):
+            common.parse_compressor(bad)
+    with pytest.raises(Exception, match="rate"):
+        common.parse_rate("1gbps")
+
+
+def test_table_aligns_and_groups():
+    rows = [["x", "1", "left"], ["yy", "22", "l"]]
+    table = common.format_table(["a", "b", "note"], rows, [("", 1), ("G", 2)], left=(0, -1))
+    lines = table.splitlines()
+    assert lines[0].strip() == "G"
+    assert lines[3] == "x    1  left"
+    assert lines[4] == "yy  22  l"
+
+
+def test_allreduce_methods_follow_the_algorithm_option():
+    allreduce = importlib.import_module("allreduce")
+    default = allreduce.methods(["int8", "topk"], "default")
+    assert [(m["label"], m["algorithm"]) for m in default] == [("int8", "two_phase"), ("topk", "allgather")]
+    every = allreduce.methods(["int8", "randk"], "all")
+    assert [m["label"] for m in every] == [
+        "int8/allgather",
+        "int8/two_phase",
+        "randk/dense",
+        "randk/allgather",
+    ]
+    assert allreduce.message_sizes(65536, 300_000) == [65536, 131072, 262144]
+
+
+def test_every_script_has_help():
+    for name in ("allreduce.py", "ddp_train.py", "convergence.py"):
+        assert "usage:" in run_script(name, "--help").stdout
+
+
+def test_bandwidth_without_root_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert common.run_limited("1gbit") == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def _abort_on_rank_one(rank, world_size):
+    if rank == 1:
+        os.abort()
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_spawn_reports_a_native_abort():
+    with pytest.raises(common.RanksFailed, match="SIGABRT"):
+        common.spawn(_abort_on_rank_one, 2, timeout=60)
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+@pytest.mark.slow
+def test_allreduce_smoke(tmp_path):
+    args = ["--spawn", "2", "--min-bytes", "64KiB", "--max-bytes", "128KiB", "--warmup", "1", "--iters", "2"]
+    result = run_script("allreduce.py", *args, "--compressors", "none", "int8,topk", "--out", str(tmp_path))
+    assert "dense fp32 all_reduce" in result.stdout and "int8" in result.stdout
+    rows, document = read_results(tmp_path, stem("allreduce"))
+    assert [(int(r["size_bytes"]), r["method"]) for r in rows] == [
+        (size, method) for size in (65536, 131072) for method in ("dense", "none", "int8", "topk")
+    ]
+    for row in rows:
+        assert float(row["time_us"]) > 0 and float(row["speedup"]) > 0
+        assert row["backend"] == "gloo" and row["world_size"] == "2"
+    dense = rows[0]
+    assert float(dense["busbw_GBps"]) == pytest.approx(float(dense["algbw_GBps"]))  # 2 (W-1)/W = 1
+    int8 = next(r for r in rows if r["method"] == "int8")
+    assert 3.5 < int(int8["dense_bytes_sent"]) / int(int8["bytes_sent"]) < 4.1
+    assert document["settings"]["iters"] == 2
+
+
+@pytest.mark.slow
+def test_ddp_train_smoke(tmp_path):
+    args = [*TINY_MODEL, "--bucket-cap-mb", "4096", "--compressors", "int8"]
+    args += ["--baselines", "fp16_hook", "powersgd", "--link-check-bytes", "256KiB"]
+    result = run_script("ddp_train.py", *args, "--out", str(tmp_path))
+    assert "link check" in result.stdout
+    rows, document = read_results(tmp_path, stem("ddp_train"))
+    assert [r["run"] for r in rows] == [
+        "compute only",
+        "dense",
+        "torch fp16 hook",
+        "torch PowerSGD r4",
+        "int8",
+    ]
+    by_run = {r["run"]: r for r in rows}
+    assert all(not r["failed"] for r in rows)
+    assert float(by_run["dense"]["ratio"]) == 1.0
+    assert float(by_run["torch fp16 hook"]["ratio"]) == 2.0
+    assert 3.5 < float(by_run["int8"]["ratio"]) < 4.1
+    assert float(by_run["torch PowerSGD r4"]["ratio"]) > 1  # rank-4 factors of a 64-wide MLP
+    for run in ("dense", "int8"):
+        assert float(by_run[run]["step_ms"]) > 0 and 0 < float(by_run[run]["loss"]) < 3
+    assert document["link_check"]["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_convergence_smoke(tmp_path):
+    args = ["--epochs", "1", "--width", "32", "--compressors", "int8", "--progress", "--out", str(tmp_path)]
+    result = run_script("convergence.py", *args)
+    assert "\r[" in result.stderr, "the progress line should be rewritten in place"
+    rows, document = read_results(tmp_path, stem("convergence"))
+    assert [r["run"] for r in rows] == ["dense", "int8 (feedback)", "int8 (no feedback)"]
+    assert {"train_loss", "loss_vs_dense", "test_accuracy", "bytes_per_step", "target"} <= set(rows[0])
+    assert float(rows[0]["loss_vs_dense"]) == 0
+    assert rows[1]["target"].startswith(("met", "missed"))
+    assert all(len(curve) == 1 for curve in document["curves"].values())
+
+
+def _namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+    reason="--bandwidth needs root and iproute2 (ip, tc) to create a limited network namespace",
+)
+def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
+    before = _namespaces()
+    args = [
+        *TINY_MODEL,
+        "--compressors",
+        "--baselines",
+        "--bandwidth",
+        "100mbit",
+        "--link-check-bytes",
+        "1MiB",
+        "--out",
+        str(tmp_path),
+    ]
+    result = run_script("ddp_train.py", *args)
+    assert "limited to 100mbit" in result.stderr
+    assert _namespaces() == before
+    rows, document = read_results(tmp_path, stem("ddp_train") + "-100mbit")
+    assert "100mbit" in rows[0]["link"] and "100mbit" in rows[0]["machine"]
+    check = document["link_check"]
+    # 2 ranks x 1 MiB cross the loopback: 168 ms at 100 Mbit/s; unlimited it takes about 1 ms.
+    assert check["seconds"] > 0.5 * check["expected_seconds"] > 0.05
