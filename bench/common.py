@@ -168,10 +168,29 @@ def machine(world_size: int, backend: str) -> dict:
         "gpu": gpu or "",
         "torch": torch.__version__,
         "gradcomp": gradcomp.__version__,
+        "revision": source_revision(),
         "world_size": world_size,
         "backend": backend,
         "link": link_text or "unlimited",
     }
+
+
+def source_revision() -> str:
+    """The git commit of the checkout the bench runs from (``-dirty`` with local changes), or ``""``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{commit}-dirty" if commit and dirty else commit
 
 
 def loadavg() -> list[float]:
