@@ -495,15 +495,18 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
 
 # ----------------------------------------------------------------------------- public API
 
-# Residuals and call counters of all_reduce calls that pass no ErrorFeedback.
-_DEFAULT_MEMORY: dict[int, tuple[Compressor, ErrorFeedback, dict]] = {}
+# Residuals and call counters of all_reduce calls that pass no ErrorFeedback,
+# per compressor settings: a compressor given by name is a new object on every
+# call, but the same settings must find the same residuals (and not pile up).
+_DEFAULT_MEMORY: dict[str, tuple[ErrorFeedback, dict]] = {}
 
 
 def _default_memory(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
-    entry = _DEFAULT_MEMORY.get(id(compressor))
-    if entry is None or entry[0] is not compressor:
-        entry = _DEFAULT_MEMORY[id(compressor)] = (compressor, ErrorFeedback(), {})
-    return entry[1], entry[2]
+    key = repr(sorted(compressor.settings().items()))
+    entry = _DEFAULT_MEMORY.get(key)
+    if entry is None:
+        entry = _DEFAULT_MEMORY[key] = (ErrorFeedback(), {})
+    return entry
 
 
 def all_reduce(

@@ -247,3 +247,20 @@ def test_chunk_bounds_cover_and_align(numel, parts, align):
 def test_all_reduce_without_process_group_raises():
     with pytest.raises(RuntimeError, match="not initialized"):
         gradcomp.all_reduce(torch.ones(3), "int8")
+
+
+def _named_compressor_keeps_its_residual(rank: int, world_size: int) -> None:
+    from gradcomp.collectives import _DEFAULT_MEMORY
+
+    for _ in range(5):
+        gradcomp.all_reduce(_input(rank, 4097, torch.float32), "int8", name="g")
+    # One memory, one residual: feedback carries over and nothing piles up.
+    assert len(_DEFAULT_MEMORY) == 1
+    ((memory, counters),) = _DEFAULT_MEMORY.values()
+    key = gradcomp.collectives.key_of("g")
+    assert set(memory.keys()) == {key, ("two_phase", key)} and counters["g"] == 5
+    assert memory.get(key).abs().sum() > 0
+
+
+def test_compressor_by_name_reuses_its_residual():
+    run_ranks(_named_compressor_keeps_its_residual, 2)
