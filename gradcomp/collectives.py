@@ -140,8 +140,7 @@ class CollectiveQueue:
         self._thread.start()
 
     def submit(self, fn: Callable[[], object], device: torch.device) -> torch.futures.Future:
-        devices = [device] if device.type == "cuda" else None
-        future = torch.futures.Future(devices=devices)
+        future = new_future(device)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._jobs.put((fn, future, stream))
         return future
@@ -223,6 +222,11 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
 # ----------------------------------------------------------------------------- helpers
 
 
+def new_future(device: torch.device) -> torch.futures.Future:
+    """A Future that synchronises CUDA streams when it holds CUDA tensors."""
+    return torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+
 def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
     return 2 * (world_size - 1) * nbytes // world_size
@@ -281,18 +285,25 @@ def chunk_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(parts)]
 
 
+def settings_key(compressor: Compressor) -> str:
+    """The compressor's settings as one stable string (equal settings, equal key)."""
+    return repr(sorted(compressor.settings().items()))
+
+
 def _fingerprint(compressor: Compressor, tensor: torch.Tensor, algorithm: str, op: str) -> tuple:
-    settings = repr(sorted(compressor.settings().items()))
-    return (settings, tensor.numel(), str(tensor.dtype), algorithm, op)
+    return (settings_key(compressor), tensor.numel(), str(tensor.dtype), algorithm, op)
 
 
-def verify_agreement(q: CollectiveQueue, fingerprint: tuple) -> None:
-    """Raise ValueError on every rank if ranks disagree on ``fingerprint``."""
+def verify_agreement(q: CollectiveQueue, fingerprint: tuple, device: torch.device) -> None:
+    """Raise ValueError on every rank if ranks disagree on ``fingerprint``.
+
+    The check travels on ``device`` (NCCL groups take CUDA tensors only).
+    """
     if q.world_size == 1 or fingerprint in q.verified:
         return
     digest = zlib.crc32(repr(fingerprint).encode())
-    mine = torch.tensor([digest], dtype=torch.int64)
-    everyone = torch.empty(q.world_size, dtype=torch.int64)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
     _all_gather(everyone, mine, q.group)
     if bool((everyone != digest).any()):
         described = [None] * q.world_size
@@ -367,7 +378,7 @@ def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
     stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
     if tensor.numel() == 0:
         return stats
-    verify_agreement(q, _fingerprint(job.compressor, tensor, job.algorithm, job.op))
+    verify_agreement(q, _fingerprint(job.compressor, tensor, job.algorithm, job.op), tensor.device)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
     if q.world_size == 1:
@@ -414,9 +425,11 @@ def _decode_sum(
     numel: int,
     dtype: torch.dtype,
     op: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same bits), in fp32."""
-    total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device)
+    """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same
+    bits), in fp32: into ``out`` (fp32) if given, else a new tensor."""
+    total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device) if out is None else out.zero_()
     for buffer, meta in zip(buffers, metas, strict=True):
         layout = compressor.payload_layout(numel, dtype, meta)
         payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
@@ -434,9 +447,11 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         sizes, metas = [size] * q.world_size, [payload.meta] * q.world_size
     else:
         # Variable-size payloads: every rank learns every rank's size and meta first.
-        mine = torch.tensor([size] + [payload.meta[k] for k in meta_keys], dtype=torch.int64)
-        everyone = torch.empty(q.world_size * mine.numel(), dtype=torch.int64)
-        _all_gather(everyone, mine.to(flat.device), q.group)
+        mine = torch.tensor(
+            [size] + [payload.meta[k] for k in meta_keys], dtype=torch.int64, device=flat.device
+        )
+        everyone = torch.empty(q.world_size * mine.numel(), dtype=torch.int64, device=flat.device)
+        _all_gather(everyone, mine, q.group)
         rows = everyone.view(q.world_size, -1).tolist()
         sizes = [row[0] for row in rows]
         metas = [dict(zip(meta_keys, row[1:], strict=True)) for row in rows]
@@ -446,8 +461,11 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     stats.bytes_sent += width * (q.world_size - 1)
     with _Timer(stats):
         buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
-        total = _decode_sum(job.compressor, buffers, metas, flat.numel(), flat.dtype, job.op)
-        flat.copy_(total)
+        # An fp32 tensor takes the sum directly; others get it rounded once at the end.
+        into = flat if flat.dtype == torch.float32 else None
+        total = _decode_sum(job.compressor, buffers, metas, flat.numel(), flat.dtype, job.op, into)
+        if into is None:
+            flat.copy_(total)
 
 
 def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
@@ -475,14 +493,11 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         reduced = _decode_sum(compressor, pieces, metas, own_numel, flat.dtype, job.op).to(flat.dtype)
     server_residual = _residual(job, ("two_phase", job.key), reduced)
     server_ctx = Context(server_residual, job.step, mix_seed(job.key, world + rank), rank)
+    width = max(buffer_size(compressor.payload_layout(e - s, flat.dtype, {})) for s, e in bounds)
     with _Timer(stats):
-        own = compressor.compress(reduced, server_ctx).to_buffer()
-    sizes = [buffer_size(compressor.payload_layout(e - s, flat.dtype, {})) for s, e in bounds]
-    width = max(sizes)
-    padded = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-    padded[: own.numel()] = own
+        own = compressor.compress(reduced, server_ctx).to_buffer(width)
     gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
-    _all_gather(gathered, padded, q.group)
+    _all_gather(gathered, own, q.group)
     stats.bytes_sent += width * (world - 1)
     with _Timer(stats):
         for j, (start, end) in enumerate(bounds):
@@ -502,7 +517,7 @@ _DEFAULT_MEMORY: dict[str, tuple[ErrorFeedback, dict]] = {}
 
 
 def _default_memory(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
-    key = repr(sorted(compressor.settings().items()))
+    key = settings_key(compressor)
     entry = _DEFAULT_MEMORY.get(key)
     if entry is None:
         entry = _DEFAULT_MEMORY[key] = (ErrorFeedback(), {})
@@ -520,6 +535,7 @@ def all_reduce(
     feedback: ErrorFeedback | bool | None = None,
     name: Hashable | None = None,
     step: int | None = None,
+    measure_error: bool = True,
 ):
     """Compressed, in-place all-reduce of ``tensor`` across ``group``.
 
@@ -537,6 +553,8 @@ def all_reduce(
         name: residual and random-stream key; give distinct names to distinct
             tensors of one shape (default: the tensor's shape and dtype).
         step: step number for random streams (default: a per-name call counter).
+        measure_error: fill ``error_sq`` / ``input_sq`` of the stats (an extra
+            pass over the tensor, or a decode without feedback); False skips it.
 
     Returns:
         ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
@@ -548,8 +566,6 @@ def all_reduce(
         ...     gradcomp.all_reduce(p.grad, c, name=p_name)
     """
     compressor = get_compressor(compressor)
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     check_tensor(tensor)
     ops.check_forced_backend()
     op = resolve_op(op)
@@ -566,7 +582,7 @@ def all_reduce(
         step = counters.get(name, 0)
         counters[name] = step + 1
     q = queue_for(group)
-    job = Job(tensor, compressor, op, algorithm, memory, key_of(name), step)
+    job = Job(tensor, compressor, op, algorithm, memory, key_of(name), step, measure_error)
     future = q.submit(lambda: run_job(job, q), tensor.device)
     if async_op:
         return Work(future)
