@@ -26,6 +26,7 @@ How the hook keeps a training run safe:
 """
 
 import dataclasses
+import inspect
 import logging
 import math
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
-from gradcomp.collectives import Job, ReduceStats, check_algorithm, queue_for, run_job
+from gradcomp.collectives import Job, ReduceStats, check_algorithm, new_future, queue_for, run_job
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -157,8 +158,8 @@ class HookState:
         self.step = 0
         self.feedback = ErrorFeedback(residual_dtype)
         self._param_numbers: dict[int, int] = {}
-        self._layouts: dict[int, tuple[int, ...]] = {}
-        self._restored_layouts: dict[int, tuple[int, ...]] | None = None
+        self._layouts: dict[int, Layout] = {}
+        self._restored_layouts: dict[int, Layout] | None = None
         self._pieces: dict[int, torch.Tensor] = {}
         self._held: list = []
         self.stats: list[StepStats] = []
@@ -302,10 +303,6 @@ class HookState:
         self._restored_layouts = None
 
 
-def _future(device: torch.device) -> torch.futures.Future:
-    return torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-
-
 def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: averages ``bucket`` across ranks through ``state.compressor``.
 
@@ -324,7 +321,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state.step += 1
     if state._restored_layouts is not None and (index != 0 or state._restored_layouts.get(0) != layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
-        future = _future(buffer.device)
+        future = new_future(buffer.device)
         state._held.append((buffer, layout, future))
         if last:
             q.submit(lambda: _finish_held(state, step, q), buffer.device)
@@ -352,15 +349,8 @@ def _finish_held(state: HookState, step: int, q) -> None:
         future.set_result(buffer)
 
 
-_STATE_OPTIONS = (
-    "process_group",
-    "warmup_steps",
-    "min_numel",
-    "algorithm",
-    "residual_dtype",
-    "measure_error",
-    "history",
-)
+# The HookState options register() takes; every other keyword goes to the compressor.
+_STATE_OPTIONS = tuple(inspect.signature(HookState.__init__).parameters)[2:]
 
 
 def register(
@@ -379,10 +369,6 @@ def register(
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
     state_options = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
-    if isinstance(compressor, str):
-        compressor = get_compressor(compressor, **options)
-    elif options:
-        raise ValueError(f"compressor options {sorted(options)} given with a compressor instance")
-    state = HookState(compressor, **state_options)
+    state = HookState(get_compressor(compressor, **options), **state_options)
     model.register_comm_hook(state, hook)
     return state

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gradcomp.demo import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, body, args) -> None:

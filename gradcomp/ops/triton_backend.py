@@ -13,24 +13,8 @@ import math
 import torch
 
 from gradcomp import kernels
+from gradcomp.kernels.common import residual_view
 from gradcomp.ops import reference
-
-
-def _flat_residual(residual: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    if residual is None:
-        return None
-    if not residual.is_contiguous():
-        raise ValueError("the residual must be contiguous: the kernels update it in place")
-    if residual.numel() != like.numel() or residual.device != like.device:
-        raise ValueError(
-            f"residual ({residual.numel()} elements on {residual.device}) does not match "
-            f"the tensor ({like.numel()} on {like.device})"
-        )
-    return residual.view(-1)
-
-
-def _finite(values: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(values), values, torch.zeros_like(values))
 
 
 def randk_indices(numel: int, k: int, seed: int, device) -> torch.Tensor:
@@ -52,7 +36,7 @@ def randk_select(
 ) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.randk_select` on Triton kernels."""
     x = x.reshape(-1)
-    residual = _flat_residual(residual, x)
+    residual = residual_view(residual, x.numel(), x.device)
     indices = randk_indices(x.numel(), k, seed, x.device)
     # Gather before the pass that overwrites the residual with x + residual.
     values, lost = kernels.gather_compensated(x, residual, indices, scale, value_dtype)
@@ -89,7 +73,7 @@ def topk_select(
     numel = x.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
-    residual = _flat_residual(residual, x)
+    residual = residual_view(residual, x.numel(), x.device)
     options = {"seed": seed, "index_dtype": index_dtype, "value_dtype": value_dtype}
     if exact or k == numel:
         return reference.topk_select(x, k, residual, True, **options)
@@ -107,11 +91,11 @@ def topk_select(
         if residual is not None:
             dropped = torch.ones(values.numel(), dtype=torch.bool, device=x.device)
             dropped[keep] = False
-            residual[indices[dropped]] = _finite(values[dropped]).to(residual.dtype)
+            residual[indices[dropped]] = values[dropped].nan_to_num(0.0, 0.0, 0.0).to(residual.dtype)
         values, indices = values[keep], indices[keep]
     sent = values.to(value_dtype)
     if residual is not None:
-        residual[indices] = _finite(values - sent.float()).to(residual.dtype)
+        residual[indices] = (values - sent.float()).nan_to_num(0.0, 0.0, 0.0).to(residual.dtype)
     return sent, indices.to(index_dtype or reference.index_dtype_for(numel))
 
 
