@@ -71,46 +71,52 @@ def build_cases(n: int, device: torch.device):
     signs, sign_scales = ops.reference.sign_compress(x, 1024)
     out = torch.zeros(n, device=device)
     copy_target = torch.empty_like(x)
+    # Every fused error-feedback op reads x and the residual and writes the
+    # residual (12 bytes an element), plus its payload; a decode-accumulate
+    # reads and writes the output (8 bytes an element), plus the payload.
+    feedback, accumulate = 12 * n, 8 * n
+    int8_payload, int4_payload = n + 4 * (n // 256), n // 2 + 4 * (n // 256)
+    sign_payload, sparse_payload = n // 8 + 4 * (n // 1024), 8 * k
     cases = {
         "copy": (None, 8 * n, lambda impl: copy_target.copy_(x)),
         "quantize_int8_ef": (
             "quantize_blockwise",
-            4 * n + 8 * n + n + 4 * (n // 256),
+            feedback + int8_payload,
             lambda impl: impl("quantize_blockwise")(x, 8, 256, False, 0, residual),
         ),
         "quantize_int4_ef": (
             "quantize_blockwise",
-            4 * n + 8 * n + n // 2 + 4 * (n // 256),
+            feedback + int4_payload,
             lambda impl: impl("quantize_blockwise")(x, 4, 256, False, 0, residual),
         ),
         "quantize_int8_stochastic_ef": (
             "quantize_blockwise",
-            4 * n + 8 * n + n + 4 * (n // 256),
+            feedback + int8_payload,
             lambda impl: impl("quantize_blockwise")(x, 8, 256, True, 1, residual),
         ),
         "sign_ef": (
             "sign_compress",
-            4 * n + 8 * n + n // 8 + 4 * (n // 1024),
+            feedback + sign_payload,
             lambda impl: impl("sign_compress")(x, 1024, residual),
         ),
         "dequantize_int8_accumulate": (
             "dequantize_blockwise",
-            n + 4 * (n // 256) + 8 * n,
+            accumulate + int8_payload,
             lambda impl: impl("dequantize_blockwise")(codes8, scales8, 8, 256, n, out, True),
         ),
         "sign_decode_accumulate": (
             "sign_decompress",
-            n // 8 + 4 * (n // 1024) + 8 * n,
+            accumulate + sign_payload,
             lambda impl: impl("sign_decompress")(signs, sign_scales, 1024, n, out, True),
         ),
         "randk_1pct_ef": (
             "randk_select",
-            4 * n + 8 * n + 8 * k,
+            feedback + sparse_payload,
             lambda impl: impl("randk_select")(x, k, 5, residual),
         ),
         "topk_1pct_ef": (
             "topk_select",
-            4 * n + 8 * n + 8 * k,
+            feedback + sparse_payload,
             lambda impl: impl("topk_select")(x, k, residual, seed=5),
         ),
     }

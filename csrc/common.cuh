@@ -275,3 +275,19 @@ __device__ T block_sum(T value, T* scratch) {
 }
 
 }  // namespace gradcomp
+
+// Instantiation over dtypes, shared by every kernel family: KERNELS(NAME, TYPE)
+// for each floating dtype the ops take, and KERNELS(X_NAME, X_TYPE, R_NAME,
+// R_TYPE) for each residual dtype of one input dtype (R = none: no residual).
+#define GRADCOMP_FOR_EVERY_FLOAT(KERNELS) \
+    KERNELS(float32, Float32)             \
+    KERNELS(float16, Float16)             \
+    KERNELS(bfloat16, BFloat16)           \
+    KERNELS(float64, Float64)
+
+#define GRADCOMP_FOR_EVERY_RESIDUAL(KERNELS, X_NAME, X_TYPE) \
+    KERNELS(X_NAME, X_TYPE, none, NoResidual)                \
+    KERNELS(X_NAME, X_TYPE, float32, Float32)                \
+    KERNELS(X_NAME, X_TYPE, float16, Float16)                \
+    KERNELS(X_NAME, X_TYPE, bfloat16, BFloat16)              \
+    KERNELS(X_NAME, X_TYPE, float64, Float64)

@@ -136,17 +136,10 @@ using namespace gradcomp;
         sign_encode<X_TYPE, R_TYPE>(x, residual, signs, scales, numel, block);                                 \
     }
 
-#define GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(X_NAME, X_TYPE)        \
-    GRADCOMP_SIGN_KERNELS(X_NAME, X_TYPE, none, NoResidual)     \
-    GRADCOMP_SIGN_KERNELS(X_NAME, X_TYPE, float32, Float32)     \
-    GRADCOMP_SIGN_KERNELS(X_NAME, X_TYPE, float16, Float16)     \
-    GRADCOMP_SIGN_KERNELS(X_NAME, X_TYPE, bfloat16, BFloat16)   \
-    GRADCOMP_SIGN_KERNELS(X_NAME, X_TYPE, float64, Float64)
+#define GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(X_NAME, X_TYPE) \
+    GRADCOMP_FOR_EVERY_RESIDUAL(GRADCOMP_SIGN_KERNELS, X_NAME, X_TYPE)
 
-GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(float32, Float32)
-GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(float16, Float16)
-GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(bfloat16, BFloat16)
-GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(float64, Float64)
+GRADCOMP_FOR_EVERY_FLOAT(GRADCOMP_SIGN_FOR_EVERY_RESIDUAL)
 
 #define GRADCOMP_SIGN_DECOMPRESS_KERNEL(OUT_NAME, OUT_TYPE)                                                    \
     extern "C" __global__ void __launch_bounds__(SIGN_MAX_THREADS) sign_decompress_##OUT_NAME(                 \
@@ -155,7 +148,4 @@ GRADCOMP_SIGN_FOR_EVERY_RESIDUAL(float64, Float64)
         sign_decompress<OUT_TYPE>(signs, scales, out, numel, block, accumulate);                               \
     }
 
-GRADCOMP_SIGN_DECOMPRESS_KERNEL(float32, Float32)
-GRADCOMP_SIGN_DECOMPRESS_KERNEL(float16, Float16)
-GRADCOMP_SIGN_DECOMPRESS_KERNEL(bfloat16, BFloat16)
-GRADCOMP_SIGN_DECOMPRESS_KERNEL(float64, Float64)
+GRADCOMP_FOR_EVERY_FLOAT(GRADCOMP_SIGN_DECOMPRESS_KERNEL)

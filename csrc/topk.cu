@@ -311,14 +311,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_CHOOSE_THREADS)
                                      numel, chunk, k);                                                         \
     }
 
-#define GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(X_NAME, X_TYPE)          \
-    GRADCOMP_TOPK_KERNELS(X_NAME, X_TYPE, none, NoResidual)       \
-    GRADCOMP_TOPK_KERNELS(X_NAME, X_TYPE, float32, Float32)       \
-    GRADCOMP_TOPK_KERNELS(X_NAME, X_TYPE, float16, Float16)       \
-    GRADCOMP_TOPK_KERNELS(X_NAME, X_TYPE, bfloat16, BFloat16)     \
-    GRADCOMP_TOPK_KERNELS(X_NAME, X_TYPE, float64, Float64)
+#define GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(X_NAME, X_TYPE) \
+    GRADCOMP_FOR_EVERY_RESIDUAL(GRADCOMP_TOPK_KERNELS, X_NAME, X_TYPE)
 
-GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(float32, Float32)
-GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(float16, Float16)
-GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(bfloat16, BFloat16)
-GRADCOMP_TOPK_FOR_EVERY_RESIDUAL(float64, Float64)
+GRADCOMP_FOR_EVERY_FLOAT(GRADCOMP_TOPK_FOR_EVERY_RESIDUAL)
