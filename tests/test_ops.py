@@ -19,6 +19,7 @@ Tolerances used below:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -379,6 +380,51 @@ def test_sign_magnitude_is_block_mean_and_sign_matches(numel, block, dtype):
     torch.testing.assert_close(scales, mean_abs, rtol=4 * EPS32, atol=0)
     expected = torch.where(y >= 0, 1.0, -1.0) * scales.repeat_interleave(block)[:numel]
     assert torch.equal(decoded, expected)
+
+
+# ============================================================================= chunking
+
+
+def _blockwise_round_trip(op: str, x: torch.Tensor, residual: torch.Tensor, bits: int, block: int):
+    """(payload, residual after, decoded into None / into a fp16 accumulator) of one op."""
+    numel = x.numel()
+    if op == "quantize":
+        payload = reference.quantize_blockwise(x, bits, block, residual=residual)
+        decode = lambda **kw: reference.dequantize_blockwise(*payload, bits, block, numel, **kw)  # noqa: E731
+    else:
+        payload = reference.sign_compress(x, block, residual)
+        decode = lambda **kw: reference.sign_decompress(*payload, block, numel, **kw)  # noqa: E731
+    accumulator = torch.linspace(-1, 1, numel, dtype=torch.float16)
+    return payload, residual, decode(), decode(out=accumulator, accumulate=True)
+
+
+@pytest.mark.parametrize("op, bits", [("quantize", 8), ("quantize", 4), ("quantize", 2), ("sign", 1)])
+@pytest.mark.parametrize("numel, block", [(10_007, 100), (8_192, 256), (3_001, 64)])
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.float16], ids=str)
+def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel, block, residual_dtype):
+    # The reference walks long tensors a chunk at a time; a tensor cut into
+    # many chunks (blocks and code bytes never straddling one) must give
+    # exactly the bits of one pass, non-finite blocks included.
+    x = seeded_randn(numel, seed=numel + bits)
+    x[numel // 3] = math.nan
+    x[numel // 2] = -math.inf
+    residual = (seeded_randn(numel, seed=7) * 0.01).to(residual_dtype)
+    whole = _blockwise_round_trip(op, x, residual.clone(), bits, block)
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
+    assert len(reference._chunks(numel, block)) > 10
+    chunked = _blockwise_round_trip(op, x, residual.clone(), bits, block)
+    leaves = torch.utils._pytree.tree_leaves
+    for got, expected in zip(leaves(chunked), leaves(whole), strict=True):
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("numel, block", [(10_007, 100), (64, 256)])
+def test_chunks_cover_whole_blocks_and_bytes(numel, block):
+    chunks = reference._chunks(numel, block)
+    assert chunks[0][0] == 0 and chunks[-1][1] == numel
+    assert all(end == next_start for (_, end), (next_start, _) in itertools.pairwise(chunks))
+    assert all(start % block == 0 and start % 8 == 0 for start, _ in chunks)
 
 
 # ============================================================================= top-k

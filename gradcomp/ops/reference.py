@@ -77,11 +77,34 @@ def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return torch.add(x.reshape(-1).float(), residual.reshape(-1).float())
 
 
-def store_residual(residual: torch.Tensor | None, y: torch.Tensor, decoded: torch.Tensor) -> None:
-    """``residual <- y - decoded``, non-finite entries zeroed. Consumes ``y`` (overwritten)."""
+def _compensate_in_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """:func:`compensate`, computed in an fp32 ``residual`` itself (returned flat).
+
+    For ops that rewrite the whole residual afterwards: it saves a
+    tensor-sized temporary and a copy.
+    """
+    if residual is None or residual.dtype != torch.float32:
+        return compensate(x, residual)
+    flat = residual.view(-1)
+    flat += x.reshape(-1)
+    return flat
+
+
+def store_residual(
+    residual: torch.Tensor | None, y: torch.Tensor, decoded: torch.Tensor, scratch: torch.Tensor | None = None
+) -> None:
+    """``residual <- y - decoded``, non-finite entries zeroed.
+
+    Written straight into an fp32 residual; any other residual dtype gets the
+    fp32 error through ``scratch`` (default ``y``), which is overwritten.
+    """
     if residual is None:
         return
-    residual.view(-1).copy_(y.sub_(decoded).nan_to_num_(0.0, 0.0, 0.0))
+    flat = residual.view(-1)
+    target = flat if flat.dtype == torch.float32 else (y if scratch is None else scratch)
+    torch.sub(y, decoded, out=target).nan_to_num_(0.0, 0.0, 0.0)
+    if target is not flat:
+        flat.copy_(target)
 
 
 def _blocks(y: torch.Tensor, block: int) -> torch.Tensor:
@@ -177,37 +200,72 @@ def quantize_blockwise(
         raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
     if code_bits(levels) > bits:
         raise ValueError(f"{bits} bits cannot hold levels={levels}")
-    y = compensate(x, residual)
+    if scale not in ("absmax", "norm"):
+        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
+    x = x.reshape(-1)
+    numel = x.numel()
+    packed = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
+    generator = _generator(seed, x.device) if stochastic else None
+    for start, end in _chunks(numel, block):
+        part_residual = None if residual is None else residual.view(-1)[start:end]
+        _quantize_part(
+            compensate(x[start:end], part_residual),
+            part_residual,
+            bits,
+            block,
+            levels,
+            scale,
+            generator,
+            packed[start * bits // 8 : math.ceil(end * bits / 8)],
+            scales[start // block : math.ceil(end / block)],
+        )
+    return packed, scales
+
+
+def _quantize_part(
+    y: torch.Tensor,
+    residual: torch.Tensor | None,
+    bits: int,
+    block: int,
+    levels: int,
+    scale: str,
+    generator: torch.Generator | None,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """:func:`quantize_blockwise` of the compensated ``y`` into ``packed`` and ``scales``."""
     numel = y.numel()
     blocks = _blocks(y, block)
     if scale == "absmax":
-        # The inf-norm is the absmax (NaN included) without an |y| temporary.
-        magnitude = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1)
-    elif scale == "norm":
+        # amax propagates NaN, so a block holding NaN gets a NaN scale.
+        magnitude = blocks.abs().amax(dim=1)
+    else:
         # Scale by the absmax first: squaring values above ~1.8e19 overflows fp32.
         peak = blocks.abs().amax(dim=1, keepdim=True)
         safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
         magnitude = (blocks / safe_peak).norm(dim=1) * peak.squeeze(1)
-    else:
-        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
-    scales = magnitude / levels
+    torch.div(magnitude, levels, out=scales)
     # All-zero blocks keep scale 0 and codes of level 0; inf/NaN blocks keep a
     # non-finite scale so that they decode to non-finite values.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     level = blocks / divisor
-    if stochastic:
-        level += torch.rand(level.shape, generator=_generator(seed, y.device), device=y.device)
+    if generator is not None:
+        level += torch.rand(level.shape, generator=generator, device=y.device)
         level.floor_()
     else:
         level.round_()
     level.nan_to_num_(0.0, 0.0, 0.0).clamp_(-levels, levels)
-    codes = level.add_(levels).to(torch.uint8).view(-1)[:numel]
+    codes = level.add_(levels).view(-1)[:numel]
+    if bits == 8:
+        packed.copy_(codes)
+    else:
+        packed.copy_(pack_bits(codes.to(torch.uint8), bits))
     if residual is not None:
         # In place (fresh CPU buffers cost page faults): level becomes the
-        # decoded value, blocks (y or its padded copy) the error.
-        blocks -= level.sub_(levels).mul_(scales.unsqueeze(1))
-        residual.view(-1).copy_(blocks.view(-1)[:numel].nan_to_num_(0.0, 0.0, 0.0))
-    return pack_bits(codes, bits), scales
+        # decoded value, then the error y - decoded.
+        decoded = level.sub_(levels).mul_(scales.unsqueeze(1)).view(-1)[:numel]
+        store_residual(residual, blocks.view(-1)[:numel], decoded, scratch=decoded)
 
 
 def dequantize_blockwise(
@@ -234,9 +292,14 @@ def dequantize_blockwise(
         ``out`` if given, else a new fp32 tensor of ``numel`` elements.
     """
     levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    decoded = _blocks(unpack_bits(q, bits, numel).to(torch.float32).sub_(levels), block)
-    decoded *= scales.float().unsqueeze(1)
-    return write_out(decoded.view(-1)[:numel], out, accumulate)
+    target = torch.empty(numel, dtype=torch.float32, device=q.device) if out is None else out
+    q, scales, flat = q.reshape(-1), scales.reshape(-1), target.view(-1)
+    for start, end in _chunks(numel, block):
+        codes = unpack_bits(q[start * bits // 8 : math.ceil(end * bits / 8)], bits, end - start)
+        decoded = _blocks(codes.to(torch.float32).sub_(levels), block)
+        decoded *= scales[start // block : math.ceil(end / block)].float().unsqueeze(1)
+        write_out(decoded.view(-1)[: end - start], flat[start:end], accumulate)
+    return target
 
 
 def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
@@ -250,6 +313,20 @@ def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool)
     return out
 
 
+# Blockwise ops work through long tensors a chunk at a time: a few MB of
+# temporaries stay in cache and are reused by the allocator, where
+# tensor-sized ones cost a page fault per page on CPU. Blocks never straddle
+# chunks, so the results are those of one pass over the whole tensor.
+CHUNK_ELEMENTS = 2**20
+
+
+def _chunks(numel: int, block: int) -> list[tuple[int, int]]:
+    """Element ranges covering ``numel``: whole blocks, whole bytes of codes."""
+    unit = math.lcm(block, 8)
+    step = max(1, CHUNK_ELEMENTS // unit) * unit
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
 # ----------------------------------------------------------------------------- 1-bit sign
 
 
@@ -261,20 +338,26 @@ def sign_compress(
     Returns:
         ``(packed signs uint8 with 8 signs a byte, scales fp32 per block)``.
     """
-    y = compensate(x, residual)
-    numel = y.numel()
-    blocks = _blocks(y, block)
-    counts = torch.full((blocks.shape[0],), float(block), device=y.device)
-    if numel % block:
-        counts[-1] = numel % block
-    scales = blocks.abs().sum(dim=1) / counts
-    # NaN has no sign: it must still decode to NaN, which its block's NaN scale ensures.
-    positive = blocks >= 0
-    packed = pack_bits(positive.view(-1)[:numel].view(torch.uint8), 1)
-    if residual is not None:
-        column = scales.unsqueeze(1)
-        blocks -= torch.where(positive, column, -column)
-        residual.view(-1).copy_(blocks.view(-1)[:numel].nan_to_num_(0.0, 0.0, 0.0))
+    x = x.reshape(-1)
+    numel = x.numel()
+    packed = torch.empty(math.ceil(numel / 8), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
+    for start, end in _chunks(numel, block):
+        part_residual = None if residual is None else residual.view(-1)[start:end]
+        part = end - start
+        blocks = _blocks(compensate(x[start:end], part_residual), block)
+        counts = torch.full((blocks.shape[0],), float(block), device=x.device)
+        if part % block:
+            counts[-1] = part % block
+        part_scales = scales[start // block : math.ceil(end / block)]
+        torch.div(blocks.abs().sum(dim=1), counts, out=part_scales)
+        # NaN has no sign: it must still decode to NaN, which its block's NaN scale ensures.
+        positive = blocks >= 0
+        packed[start // 8 : math.ceil(end / 8)] = pack_bits(positive.view(-1)[:part].view(torch.uint8), 1)
+        if part_residual is not None:
+            signs = positive.to(torch.float32).mul_(2).sub_(1)
+            decoded = signs.mul_(part_scales.unsqueeze(1)).view(-1)[:part]
+            store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded)
     return packed, scales
 
 
@@ -287,9 +370,14 @@ def sign_decompress(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Decode :func:`sign_compress`: ``scale * (+1 | -1)``."""
-    decoded = _blocks(unpack_bits(packed, 1, numel).to(torch.float32).mul_(2).sub_(1), block)
-    decoded *= scales.float().unsqueeze(1)
-    return write_out(decoded.view(-1)[:numel], out, accumulate)
+    target = torch.empty(numel, dtype=torch.float32, device=packed.device) if out is None else out
+    packed, scales, flat = packed.reshape(-1), scales.reshape(-1), target.view(-1)
+    for start, end in _chunks(numel, block):
+        signs = unpack_bits(packed[start // 8 : math.ceil(end / 8)], 1, end - start)
+        decoded = _blocks(signs.to(torch.float32).mul_(2).sub_(1), block)
+        decoded *= scales[start // block : math.ceil(end / block)].float().unsqueeze(1)
+        write_out(decoded.view(-1)[: end - start], flat[start:end], accumulate)
+    return target
 
 
 # ----------------------------------------------------------------------------- sparsification
@@ -315,7 +403,7 @@ def threshold_from_sample(sample_magnitude: torch.Tensor, k: int, numel: int) ->
 
 def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
     """|y| with NaN as inf: NaN must win a selection like inf does, not be dropped."""
-    return torch.nan_to_num(y.abs(), nan=math.inf)
+    return y.abs().nan_to_num_(nan=math.inf)
 
 
 def cut_to_k(indices: torch.Tensor, magnitude: torch.Tensor, k: int) -> torch.Tensor:
@@ -347,10 +435,10 @@ def topk_select(
         path, int32 unless ``numel`` needs int64 (or ``index_dtype`` says
         otherwise). The residual keeps what rounding to ``value_dtype`` lost.
     """
-    y = compensate(x, residual)
-    numel = y.numel()
+    numel = x.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
+    y = _compensate_in_residual(x, residual)
     magnitude = selection_magnitude(y)
     if exact or k == numel:
         indices = torch.topk(magnitude, k, sorted=False).indices
@@ -376,7 +464,9 @@ def _keep_unsent(
     if residual is None:
         return
     flat = residual.view(-1)
-    flat.copy_(y.nan_to_num_(0.0, 0.0, 0.0))
+    y.nan_to_num_(0.0, 0.0, 0.0)
+    if y.data_ptr() != flat.data_ptr():  # else y is the residual already
+        flat.copy_(y)
     flat[indices] = lost.nan_to_num(0.0, 0.0, 0.0).to(flat.dtype)
 
 
@@ -453,12 +543,13 @@ def randk_select(
     If any entry of ``x + residual`` is inf or NaN, the first value becomes
     NaN, so a non-finite gradient is never hidden by not being picked.
     """
-    y = compensate(x, residual)
-    indices = randk_indices(y.numel(), k, seed, y.device)
+    indices = randk_indices(x.numel(), k, seed, x.device)
+    y = _compensate_in_residual(x, residual)
     picked = y[indices]
     scaled = picked * scale
     # No host sync: adds NaN to the first value exactly when y holds inf or NaN.
-    scaled[:1] += torch.where(torch.isfinite(y).all(), 0.0, math.nan)
+    # (min and max propagate NaN: both are finite exactly when every entry is.)
+    scaled[:1] += torch.where(torch.isfinite(torch.stack(torch.aminmax(y))).all(), 0.0, math.nan)
     values = scaled.to(value_dtype)
     _keep_unsent(residual, y, indices, picked - values.float())
     return values
