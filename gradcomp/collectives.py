@@ -233,8 +233,12 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    _all_gather_async(output, tensor, group).wait()
+
+
+def _all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group):
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=True)
 
 
 def resolve_op(op) -> str:
@@ -401,10 +405,11 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
 
 
 def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
-    # Divide before the reduction (not after) so 16-bit sums cannot overflow.
-    # The residual stays in the input's units, as in the other algorithms.
+    # Divide before the reduction (not after) so 16-bit sums cannot overflow;
+    # in place, since the result overwrites the tensor anyway. The residual
+    # stays in the input's units, as in the other algorithms.
     divide = q.world_size if job.op == "avg" else 1
-    source = flat / divide if divide > 1 else flat
+    source = flat.div_(divide) if divide > 1 else flat
     residual = _residual(job, job.key, flat)
     if residual is not None and divide > 1:
         residual.div_(divide)
@@ -468,44 +473,86 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
             flat.copy_(total)
 
 
+# Two-phase all-reduces of long tensors run as a pipeline of segments, so that
+# compressing one segment overlaps the exchange of the one before. A rank's
+# chunk is cut into segments of at least SEGMENT_ELEMENTS (about 1 MB of int8
+# payload, far above a collective's latency), at most MAX_SEGMENTS of them.
+SEGMENT_ELEMENTS = 2**20
+MAX_SEGMENTS = 16
+
+
+def _segments(start: int, end: int, parts: int, align: int) -> list[tuple[int, int]]:
+    return [(start + a, start + b) for a, b in chunk_bounds(end - start, parts, align)]
+
+
 def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    """Reduce-scatter of compressed chunks, decode, recompress, all-gather.
+
+    Rank ``j`` owns chunk ``j`` of :func:`chunk_bounds`. Each chunk is cut
+    into the same number of block-aligned segments; segment ``s`` of every
+    chunk travels in the ``s``-th all-to-all and all-gather, issued
+    asynchronously so that the collectives of one segment overlap the
+    compression and decoding of the next. Blocks never straddle a segment, so
+    the decoded values are those of unsegmented chunks.
+    """
     compressor, world, rank = job.compressor, q.world_size, q.rank
-    bounds = chunk_bounds(flat.numel(), world, getattr(compressor, "block", 1))
+    align = getattr(compressor, "block", 1)
+    bounds = chunk_bounds(flat.numel(), world, align)
+    parts = max(1, min(MAX_SEGMENTS, (bounds[0][1] - bounds[0][0]) // SEGMENT_ELEMENTS))
+    pieces = [_segments(start, end, parts, align) for start, end in bounds]  # pieces[j][s]
     residual = _residual(job, job.key, flat)
-    # Phase 1: compress every chunk (with its slice of the residual) and
-    # exchange them so that rank j receives everyone's chunk j.
-    buffers = []
-    for j, (start, end) in enumerate(bounds):
-        chunk_residual = None if residual is None else residual[start:end]
-        payload = _compress_measured(job, flat[start:end], chunk_residual, mix_seed(job.key, j), rank, stats)
-        buffers.append(payload.to_buffer())
-    in_splits = [b.numel() for b in buffers]
-    mine = in_splits[rank]
-    received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
-    dist.all_to_all_single(received, torch.cat(buffers), [mine] * world, in_splits, group=q.group)
-    stats.bytes_sent += sum(in_splits) - mine
-    # Phase 2: sum the own chunk, recompress it with its own residual, gather all chunks.
-    start, end = bounds[rank]
-    own_numel = end - start
-    with _Timer(stats):
-        pieces = [received[r * mine : (r + 1) * mine] for r in range(world)]
-        metas = [{}] * world
-        reduced = _decode_sum(compressor, pieces, metas, own_numel, flat.dtype, job.op).to(flat.dtype)
-    server_residual = _residual(job, ("two_phase", job.key), reduced)
-    server_ctx = Context(server_residual, job.step, mix_seed(job.key, world + rank), rank)
-    width = max(buffer_size(compressor.payload_layout(e - s, flat.dtype, {})) for s, e in bounds)
-    with _Timer(stats):
-        own = compressor.compress(reduced, server_ctx).to_buffer(width)
-    gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
-    _all_gather(gathered, own, q.group)
-    stats.bytes_sent += width * (world - 1)
-    with _Timer(stats):
-        for j, (start, end) in enumerate(bounds):
-            layout = compressor.payload_layout(end - start, flat.dtype, {})
-            payload = Payload.from_buffer(
-                gathered[j * width : (j + 1) * width], layout, torch.Size([end - start]), flat.dtype
-            )
-            compressor.decompress(payload, out=flat[start:end])
+    own_start, own_end = bounds[rank]
+    server_residual = _residual(job, ("two_phase", job.key), flat[own_start:own_end])
+
+    def layout(start: int, end: int):
+        return compressor.payload_layout(end - start, flat.dtype, {})
+
+    def compress_piece(start: int, end: int, piece_residual, seed: int) -> Payload:
+        return _compress_measured(job, flat[start:end], piece_residual, seed, rank, stats)
+
+    # Phase 1: compress segment s of every chunk (with its slice of the
+    # residual) and start the exchange that gives rank j everyone's chunk j.
+    exchanges = []
+    for s in range(parts):
+        buffers = []
+        for j in range(world):
+            start, end = pieces[j][s]
+            chunk_residual = None if residual is None else residual[start:end]
+            buffers.append(compress_piece(start, end, chunk_residual, mix_seed(job.key, j, s)).to_buffer())
+        in_splits = [b.numel() for b in buffers]
+        mine = in_splits[rank]
+        received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
+        sent = torch.cat(buffers)  # kept alive until the exchange is done
+        work = dist.all_to_all_single(received, sent, [mine] * world, in_splits, group=q.group, async_op=True)
+        exchanges.append((work, received, mine, sent))
+        stats.bytes_sent += sum(in_splits) - mine
+    # Phase 2: sum the own segment, recompress it with its own residual, start gathering it.
+    gathers = []
+    for s, (work, received, mine, _) in enumerate(exchanges):
+        work.wait()
+        start, end = pieces[rank][s]
+        with _Timer(stats):
+            received_pieces = [received[r * mine : (r + 1) * mine] for r in range(world)]
+            reduced = _decode_sum(compressor, received_pieces, [{}] * world, end - start, flat.dtype, job.op)
+            reduced = reduced.to(flat.dtype)
+            own_residual = None
+            if server_residual is not None:
+                own_residual = server_residual[start - own_start : end - own_start]
+            context = Context(own_residual, job.step, mix_seed(job.key, world + rank, s), rank)
+            width = max(buffer_size(layout(*pieces[j][s])) for j in range(world))
+            own = compressor.compress(reduced, context).to_buffer(width)
+        gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
+        gathers.append((_all_gather_async(gathered, own, q.group), gathered, width, own))
+        stats.bytes_sent += width * (world - 1)
+    # Phase 3: decode every rank's segment into place.
+    for s, (work, gathered, width, _) in enumerate(gathers):
+        work.wait()
+        with _Timer(stats):
+            for j in range(world):
+                start, end = pieces[j][s]
+                buffer, shape = gathered[j * width : (j + 1) * width], torch.Size([end - start])
+                payload = Payload.from_buffer(buffer, layout(start, end), shape, flat.dtype)
+                compressor.decompress(payload, out=flat[start:end])
 
 
 # ----------------------------------------------------------------------------- public API
