@@ -256,15 +256,17 @@ def _quantize_part(
     else:
         level.round_()
     level.nan_to_num_(0.0, 0.0, 0.0).clamp_(-levels, levels)
-    codes = level.add_(levels).view(-1)[:numel]
+    # Codes level + levels, made in bytes: levels <= 127 fits int8 exactly and
+    # the uint8 add wraps the negative ones into place.
     if bits == 8:
-        packed.copy_(codes)
+        packed.view(torch.int8).copy_(level.view(-1)[:numel])
+        packed.add_(levels)
     else:
-        packed.copy_(pack_bits(codes.to(torch.uint8), bits))
+        codes = level.view(-1)[:numel].to(torch.int8).view(torch.uint8).add_(levels)
+        packed.copy_(pack_bits(codes, bits))
     if residual is not None:
-        # In place (fresh CPU buffers cost page faults): level becomes the
-        # decoded value, then the error y - decoded.
-        decoded = level.sub_(levels).mul_(scales.unsqueeze(1)).view(-1)[:numel]
+        # In place (fresh buffers cost page faults): level becomes the decoded value.
+        decoded = level.mul_(scales.unsqueeze(1)).view(-1)[:numel]
         store_residual(residual, blocks.view(-1)[:numel], decoded, scratch=decoded)
 
 
@@ -296,10 +298,20 @@ def dequantize_blockwise(
     q, scales, flat = q.reshape(-1), scales.reshape(-1), target.view(-1)
     for start, end in _chunks(numel, block):
         codes = unpack_bits(q[start * bits // 8 : math.ceil(end * bits / 8)], bits, end - start)
-        decoded = _blocks(codes.to(torch.float32).sub_(levels), block)
-        decoded *= scales[start // block : math.ceil(end / block)].float().unsqueeze(1)
-        write_out(decoded.view(-1)[: end - start], flat[start:end], accumulate)
+        # The signed levels, made in bytes (the uint8 subtraction wraps into int8).
+        level = _blocks(torch.sub(codes, levels).view(torch.int8).to(torch.float32), block)
+        _scale_out(level, scales[start // block : math.ceil(end / block)], flat[start:end], accumulate)
     return target
+
+
+def _scale_out(level: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= level * scale`` per block; ``level`` is ``(blocks, block)``, overwritten."""
+    column = scales.float().unsqueeze(1)
+    numel = out.numel()
+    if not accumulate and out.dtype == torch.float32 and level.numel() == numel:
+        torch.mul(level, column, out=out.view(level.shape))
+        return
+    write_out(level.mul_(column).view(-1)[:numel], out, accumulate)
 
 
 def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
@@ -374,9 +386,8 @@ def sign_decompress(
     packed, scales, flat = packed.reshape(-1), scales.reshape(-1), target.view(-1)
     for start, end in _chunks(numel, block):
         signs = unpack_bits(packed[start // 8 : math.ceil(end / 8)], 1, end - start)
-        decoded = _blocks(signs.to(torch.float32).mul_(2).sub_(1), block)
-        decoded *= scales[start // block : math.ceil(end / block)].float().unsqueeze(1)
-        write_out(decoded.view(-1)[: end - start], flat[start:end], accumulate)
+        level = _blocks(signs.to(torch.float32).mul_(2).sub_(1), block)
+        _scale_out(level, scales[start // block : math.ceil(end / block)], flat[start:end], accumulate)
     return target
 
 
