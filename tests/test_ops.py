@@ -419,6 +419,28 @@ def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel
         assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("k", [100, 1_000])
+@pytest.mark.parametrize("planted", [False, True])
+def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, planted):
+    numel = 20_011
+    x = seeded_randn(numel, seed=k)
+    if planted:
+        x[[5, 9_000, 20_010]] = torch.tensor([math.nan, math.inf, -math.inf])
+    residual = seeded_randn(numel, seed=3) * 0.01
+
+    def select():
+        kept = residual.clone()
+        values, indices = reference.topk_select(x, k, kept, seed=11)
+        return values, indices, kept
+
+    whole = select()
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)
+    assert len(reference._chunks(numel, 1)) > 1000
+    for got, expected in zip(select(), whole, strict=True):
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
 @pytest.mark.parametrize("numel, block", [(10_007, 100), (64, 256)])
 def test_chunks_cover_whole_blocks_and_bytes(numel, block):
     chunks = reference._chunks(numel, block)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -450,21 +451,37 @@ def topk_select(
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
     y = _compensate_in_residual(x, residual)
-    magnitude = selection_magnitude(y)
     if exact or k == numel:
-        indices = torch.topk(magnitude, k, sorted=False).indices
+        indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     else:
         picks = sample_positions(numel, k, seed, y.device)
-        threshold = threshold_from_sample(magnitude if picks is None else magnitude[picks], k, numel)
-        indices = torch.nonzero(magnitude >= threshold).view(-1)
+        threshold = threshold_from_sample(selection_magnitude(y if picks is None else y[picks]), k, numel)
+        indices = _reaching(y, threshold)
         if indices.numel() > math.floor(1.1 * k):
-            indices = cut_to_k(indices, magnitude[indices], k)
+            indices = cut_to_k(indices, selection_magnitude(y[indices]), k)
         elif indices.numel() < math.ceil(0.9 * k):
-            indices = torch.topk(magnitude, k, sorted=False).indices
+            indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     picked = y[indices]
     values = picked.to(value_dtype)
     _keep_unsent(residual, y, indices, picked - values.float())
     return values, indices.to(index_dtype or index_dtype_for(numel))
+
+
+def _reaching(y: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Ascending indices (int64) where :func:`selection_magnitude` of ``y`` reaches ``threshold``.
+
+    A chunk at a time (no tensor-sized temporaries); on CPU numpy finds the
+    indices of a mask several times faster than ``torch.nonzero``.
+    """
+    found = []
+    for start, end in _chunks(y.numel(), 1):
+        mask = selection_magnitude(y[start:end]) >= threshold
+        if mask.device.type == "cpu":
+            where = torch.from_numpy(np.flatnonzero(mask.numpy()))
+        else:
+            where = torch.nonzero(mask).view(-1)
+        found.append(where.add_(start))
+    return found[0] if len(found) == 1 else torch.cat(found)
 
 
 def _keep_unsent(
