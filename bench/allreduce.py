@@ -6,9 +6,8 @@ is timed in the same run as every compressor, each through
 ``gradcomp.all_reduce`` with its default algorithm (or ``--algorithms all``:
 every valid one). Error feedback follows each compressor's default (on for
 the biased ones: int8, int4, sign, topk, randk), with a fresh residual
-memory per size, as a training run would use them. ``gradcomp.all_reduce``
-also measures each call's compression error (``ReduceStats.error_sq``); that
-pass is part of the times.
+memory per size, as a training run would use them, and no error
+measurement (``all_reduce``'s default).
 
 Timing: ``--warmup`` untimed iterations, then ``--iters`` timed ones, each
 after a barrier and with the input restored; an iteration's time is the

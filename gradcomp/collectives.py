@@ -334,7 +334,7 @@ class Job:
     memory: ErrorFeedback | None
     key: int
     step: int
-    measure_error: bool = True
+    measure_error: bool = False
 
 
 class _Timer:
@@ -355,18 +355,31 @@ def _compress_measured(
     with _Timer(stats):
         reference_sq = None
         if job.measure_error and residual is not None:
-            reference_sq = float((flat.float() + residual.float()).square().sum())
+            reference_sq = _square_sum(flat, residual)
         payload = job.compressor.compress(flat, Context(residual, job.step, key, rank))
         if job.measure_error:
             if residual is not None:
-                error_sq = float(residual.float().square().sum())
+                error_sq = _square_sum(residual)
             else:
-                decoded = job.compressor.decompress(payload).view(-1).float()
-                error_sq = float((decoded - flat.float()).square().sum())
-                reference_sq = float(flat.float().square().sum())
+                decoded = job.compressor.decompress(payload)
+                error_sq = _square_sum(decoded, flat, subtract=True)
+                reference_sq = _square_sum(flat)
             stats.error_sq = (0.0 if math.isnan(stats.error_sq) else stats.error_sq) + error_sq
             stats.input_sq = (0.0 if math.isnan(stats.input_sq) else stats.input_sq) + reference_sq
     return payload
+
+
+def _square_sum(a: torch.Tensor, b: torch.Tensor | None = None, subtract: bool = False) -> float:
+    """``||a + b||^2`` (or ``||a - b||^2``) in fp32, a chunk at a time: no tensor-sized temporaries."""
+    a, b = a.reshape(-1), None if b is None else b.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, a.numel(), ops.reference.CHUNK_ELEMENTS):
+        part = a[start : start + ops.reference.CHUNK_ELEMENTS].float()
+        if b is not None:
+            other = b[start : start + ops.reference.CHUNK_ELEMENTS].float()
+            part = part - other if subtract else part + other
+        total += torch.dot(part, part)
+    return float(total)
 
 
 def _residual(job: Job, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
@@ -582,7 +595,7 @@ def all_reduce(
     feedback: ErrorFeedback | bool | None = None,
     name: Hashable | None = None,
     step: int | None = None,
-    measure_error: bool = True,
+    measure_error: bool = False,
 ):
     """Compressed, in-place all-reduce of ``tensor`` across ``group``.
 
@@ -600,8 +613,9 @@ def all_reduce(
         name: residual and random-stream key; give distinct names to distinct
             tensors of one shape (default: the tensor's shape and dtype).
         step: step number for random streams (default: a per-name call counter).
-        measure_error: fill ``error_sq`` / ``input_sq`` of the stats (an extra
-            pass over the tensor, or a decode without feedback); False skips it.
+        measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
+            default: it reads the tensor and the residual once more (or
+            decodes once more, without feedback) and waits for the result.
 
     Returns:
         ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose

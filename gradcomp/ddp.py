@@ -100,8 +100,9 @@ class HookState:
         min_numel: buckets with fewer elements are reduced dense.
         algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``.
         residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`ErrorFeedback`).
-        measure_error: keep ``relative_error`` in the statistics (costs one
-            extra pass over each bucket).
+        measure_error: keep ``relative_error`` in the statistics (off by
+            default: one more pass over each bucket, and on a GPU a host
+            sync per bucket).
         history: how many :class:`StepStats` to keep (oldest dropped).
 
     Example:
@@ -141,7 +142,7 @@ class HookState:
         *,
         algorithm: str | None = None,
         residual_dtype: str = "fp32",
-        measure_error: bool = True,
+        measure_error: bool = False,
         history: int = 10_000,
     ):
         self.compressor = get_compressor(compressor)

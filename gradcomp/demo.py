@@ -157,7 +157,7 @@ def _attach(model: DistributedDataParallel, name: str) -> gradcomp.ddp.HookState
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     if name in TORCH_RUNS:
         return None
-    return gradcomp.ddp.register(model, name, min_numel=0, **OPTIONS.get(name, {}))
+    return gradcomp.ddp.register(model, name, min_numel=0, measure_error=True, **OPTIONS.get(name, {}))
 
 
 def _show(text: str) -> None:

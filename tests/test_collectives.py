@@ -301,3 +301,33 @@ def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_segmented_two_phase_is_bit_exact(world_size):
     run_ranks(_segmented_two_phase_matches_one_segment, world_size)
+
+
+def _measured_error_is_the_compression_error(rank: int, world_size: int) -> None:
+    from gradcomp.collectives import key_of
+
+    x = _input(rank, 5_000, torch.float32, salt=3)
+    compressor = gradcomp.get_compressor("int8")
+    # Without feedback: ||decode(compress(x)) - x||^2 against ||x||^2.
+    stats = gradcomp.all_reduce(
+        x.clone(), compressor, algorithm="allgather", feedback=False, name="m", step=0, measure_error=True
+    )
+    decoded = compressor.decompress(compressor.compress(x, Context(step=0, key=key_of("m"), rank=rank)))
+    torch.testing.assert_close(
+        stats.error_sq, float((decoded - x).double().square().sum()), rtol=1e-4, atol=0
+    )
+    torch.testing.assert_close(stats.input_sq, float(x.double().square().sum()), rtol=1e-4, atol=0)
+    # With feedback: the error is what the residual keeps.
+    memory = gradcomp.ErrorFeedback()
+    stats = gradcomp.all_reduce(
+        x.clone(), compressor, algorithm="allgather", feedback=memory, name="m", step=0, measure_error=True
+    )
+    kept = memory.get(key_of("m"))
+    torch.testing.assert_close(stats.error_sq, float(kept.double().square().sum()), rtol=1e-4, atol=0)
+    assert 0 < stats.relative_error < 0.02
+    # Off by default.
+    assert math.isnan(gradcomp.all_reduce(x.clone(), compressor, feedback=False).error_sq)
+
+
+def test_measured_error_is_the_compression_error():
+    run_ranks(_measured_error_is_the_compression_error, 2)

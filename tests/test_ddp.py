@@ -189,7 +189,7 @@ def test_resumed_run_continues_bit_identically():
 
 def _warmup_and_min_numel(rank: int, world_size: int) -> None:
     model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
-    state = register(model, "int8", warmup_steps=3, min_numel=0)
+    state = register(model, "int8", warmup_steps=3, min_numel=0, measure_error=True)
     train(model, rank, world_size, 6)
     for stats in state.stats[:3]:
         assert stats.compressed_buckets == 0 and stats.bytes_sent == stats.dense_bytes
@@ -206,6 +206,7 @@ def _warmup_and_min_numel(rank: int, world_size: int) -> None:
     train(model, rank, world_size, 3)
     last = state.last_stats
     assert 0 < last.compressed_buckets < last.buckets, (last, sizes)
+    assert math.isnan(last.relative_error)  # not measured unless asked for
 
 
 def test_warmup_steps_and_min_numel_go_dense():
