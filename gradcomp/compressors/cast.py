@@ -68,7 +68,9 @@ class Cast(Compressor):
         return {"values": values}, {}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
-        return reference.write_out(payload.tensors["values"].float(), out, accumulate)
+        values = payload.tensors["values"]
+        # Into an output, widening happens on the way (no fp32 temporary).
+        return reference.write_out(values.float() if out is None else values, out, accumulate)
 
 
 class FP16(Cast):

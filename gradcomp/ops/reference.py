@@ -319,10 +319,12 @@ def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool)
     if out is None:
         return decoded
     flat = out.view(-1)
-    if accumulate:
-        flat += decoded.to(flat.dtype)
-    else:
+    if not accumulate:
         flat.copy_(decoded)
+    elif torch.promote_types(decoded.dtype, flat.dtype) == flat.dtype:
+        flat += decoded  # widened exactly, then added: no temporary
+    else:
+        flat += decoded.to(flat.dtype)
     return out
 
 
