@@ -19,6 +19,10 @@ barrier; a step's time is the slowest rank's). The runs:
   defaults (error feedback on for biased ones) and ``measure_error=False``
   (the diagnostic pass is not part of training).
 
+``--rounds N`` runs the list (all but PowerSGD, which runs once) N times in
+turn and takes the median over all N rounds' timed steps, so that a machine
+whose speed drifts over minutes slows every run alike.
+
 Communication time = step time - the compute-only step time, so it holds
 all a hook costs: compression on the CPU as well as the transfers. Bytes
 per step are what one rank sends under the ring model (as gradcomp's
@@ -87,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
         help="torch hooks to compare as well (default: both); dense and compute only always run",
     )
     top.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
+    top.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole list this many times, interleaved, and pool the timed steps "
+        "(evens out drift on a noisy machine; default 1)",
+    )
     top.add_argument(
         "--warmup-steps", type=int, default=3, help="first steps left out of the timing (default 3, min 2)"
     )
@@ -265,8 +276,15 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
     ranks get a deadline: a minute plus ten times the dense run's duration.
     """
     ordinary = [run for run in runs if run["kind"] != "powersgd"]
-    outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, True)
-    records = {record["run"]: record for record in outcome["records"]}
+    outcomes = [
+        common.spawn(ranks, settings["spawn"], ordinary, settings, not round_)
+        for round_ in range(settings["rounds"])
+    ]
+    outcome = outcomes[0]
+    records = {
+        record["run"]: pool([o["records"][i] for o in outcomes])
+        for i, record in enumerate(outcome["records"])
+    }
     dense_seconds = records[LABELS["dense"]]["step_ms"] / 1e3 * settings["steps"]
     deadline = 60 + 10 * dense_seconds
     for run in [run for run in runs if run["kind"] == "powersgd"]:
@@ -284,6 +302,20 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
                 )
                 sys.stderr.write(f"{attempt['label']} failed: {error.reason}\n")
     return outcome["link_check"], [records[run["label"]] for run in runs]
+
+
+def pool(rounds: list[dict]) -> dict:
+    """One record from the same run's records of several rounds: the median over all
+    their timed steps (and of their compress times)."""
+    record = dict(rounds[0])
+    steps = [ms for r in rounds for ms in r["step_ms_all"]]
+    record.update(
+        step_ms=statistics.median(steps),
+        step_ms_all=steps,
+        compress_ms=statistics.median(r["compress_ms"] for r in rounds),
+        rounds=len(rounds),
+    )
+    return record
 
 
 def derive(records: list[dict]) -> None:
@@ -411,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(args)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
-    if args.warmup_steps < 2 or args.steps <= args.warmup_steps or args.spawn < 2:
+    if args.warmup_steps < 2 or args.steps <= args.warmup_steps or args.spawn < 2 or args.rounds < 1:
         parser().error(
-            "need --warmup-steps >= 2 (PowerSGD starts at step 2), --steps > --warmup-steps, --spawn >= 2"
+            "need --warmup-steps >= 2 (PowerSGD starts at step 2), --steps > --warmup-steps, --spawn >= 2, "
+            "--rounds >= 1"
         )
     for position, run in enumerate(runs, 1):
         run["position"] = position

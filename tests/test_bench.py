@@ -149,7 +149,7 @@ def test_allreduce_smoke(tmp_path):
 @pytest.mark.slow
 def test_ddp_train_smoke(tmp_path):
     args = [*TINY_MODEL, "--bucket-cap-mb", "4096", "--compressors", "int8"]
-    args += ["--baselines", "fp16_hook", "powersgd", "--link-check-bytes", "256KiB"]
+    args += ["--baselines", "fp16_hook", "powersgd", "--link-check-bytes", "256KiB", "--rounds", "2"]
     result = run_script("ddp_train.py", *args, "--out", str(tmp_path))
     assert "link check" in result.stdout
     rows, document = read_results(tmp_path, stem("ddp_train"))
@@ -169,6 +169,10 @@ def test_ddp_train_smoke(tmp_path):
     for run in ("dense", "int8"):
         assert float(by_run[run]["step_ms"]) > 0 and 0 < float(by_run[run]["loss"]) < 3
     assert document["link_check"]["seconds"] > 0
+    # Two rounds: each run's one timed step from both rounds pooled; PowerSGD runs once.
+    pooled = {r["run"]: r for r in document["records"]}
+    assert len(pooled["int8"]["step_ms_all"]) == 2 and pooled["int8"]["rounds"] == 2
+    assert len(pooled["torch PowerSGD r4"]["step_ms_all"]) == 1
 
 
 @pytest.mark.slow
