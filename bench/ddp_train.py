@@ -19,9 +19,9 @@ barrier; a step's time is the slowest rank's). The runs:
   defaults (error feedback on for biased ones) and ``measure_error=False``
   (the diagnostic pass is not part of training).
 
-``--rounds N`` runs the list (all but PowerSGD, which runs once) N times in
-turn and takes the median over all N rounds' timed steps, so that a machine
-whose speed drifts over minutes slows every run alike.
+``--rounds N`` runs the whole list N times in turn and takes the median over
+all N rounds' timed steps, so that a machine whose speed drifts over minutes
+slows every run alike.
 
 Communication time = step time - the compute-only step time, so it holds
 all a hook costs: compression on the CPU as well as the transfers. Bytes
@@ -270,38 +270,58 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
 
 
 def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
-    """Run everything; PowerSGD in processes of its own (a Gloo abort must not end the bench).
+    """Run everything, ``--rounds`` times; PowerSGD in processes of its own (a Gloo
+    abort must not end the bench).
 
-    Misordered collectives can also hang instead of aborting, so PowerSGD's
-    ranks get a deadline: a minute plus ten times the dense run's duration.
+    A PowerSGD run that fails is reported as failed and replaced, from then
+    on, by the same run with the whole model in one bucket. Misordered
+    collectives can also hang instead of aborting, so PowerSGD's ranks get a
+    deadline: a minute plus ten times the dense run's duration.
     """
+    measured: dict[str, list[dict]] = {}  # label -> its record from every round
+    failed: dict[str, dict] = {}
+
+    def attempt(run: dict, dense_seconds: float) -> bool:
+        try:
+            result = common.spawn(
+                ranks, settings["spawn"], [run], settings, False, timeout=60 + 10 * dense_seconds
+            )
+        except common.RanksFailed as error:
+            sys.stderr.write(f"{run['label']} failed: {error.reason}\n")
+            failed[run["label"]] = dict(
+                run=run["label"], kind=run["kind"], note=run.get("note", ""), failed=error.reason
+            )
+            return False
+        measured.setdefault(run["label"], []).append(result["records"][0])
+        return True
+
     ordinary = [run for run in runs if run["kind"] != "powersgd"]
-    outcomes = [
-        common.spawn(ranks, settings["spawn"], ordinary, settings, not round_)
-        for round_ in range(settings["rounds"])
-    ]
-    outcome = outcomes[0]
-    records = {
-        record["run"]: pool([o["records"][i] for o in outcomes])
-        for i, record in enumerate(outcome["records"])
+    current = {run["label"]: run for run in runs if run["kind"] == "powersgd"}  # what each one runs as now
+    link_check = None
+    for round_ in range(settings["rounds"]):
+        outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, round_ == 0)
+        link_check = link_check or outcome["link_check"]
+        for record in outcome["records"]:
+            measured.setdefault(record["run"], []).append(record)
+        dense_seconds = measured[LABELS["dense"]][-1]["step_ms"] / 1e3 * settings["steps"]
+        for label, run in current.items():
+            while run is not None and not attempt(run, dense_seconds):
+                run = None if run.get("bucket_cap_mb") == ONE_BUCKET_MB else _one_bucket(run, runs)
+            current[label] = run
+    records = {label: pool(rounds) for label, rounds in measured.items()}
+    return link_check, [failed.get(run["label"]) or records[run["label"]] for run in runs]
+
+
+def _one_bucket(run: dict, runs: list[dict]) -> dict:
+    """``run`` with the whole model in one bucket, listed right after it."""
+    retry = {
+        **run,
+        "label": f"{run['label']}, 1 bucket",
+        "bucket_cap_mb": ONE_BUCKET_MB,
+        "note": f"bucket_cap_mb={ONE_BUCKET_MB:g} (whole model in one bucket)",
     }
-    dense_seconds = records[LABELS["dense"]]["step_ms"] / 1e3 * settings["steps"]
-    deadline = 60 + 10 * dense_seconds
-    for run in [run for run in runs if run["kind"] == "powersgd"]:
-        for attempt in (run, {**run, "label": f"{run['label']}, 1 bucket", "bucket_cap_mb": ONE_BUCKET_MB}):
-            if attempt is not run:
-                attempt["note"] = f"bucket_cap_mb={ONE_BUCKET_MB:g} (whole model in one bucket)"
-                runs.insert(runs.index(run) + 1, attempt)
-            try:
-                result = common.spawn(ranks, settings["spawn"], [attempt], settings, False, timeout=deadline)
-                records[attempt["label"]] = result["records"][0]
-                break
-            except common.RanksFailed as error:
-                records[attempt["label"]] = dict(
-                    run=attempt["label"], kind="powersgd", note=attempt.get("note", ""), failed=error.reason
-                )
-                sys.stderr.write(f"{attempt['label']} failed: {error.reason}\n")
-    return outcome["link_check"], [records[run["label"]] for run in runs]
+    runs.insert(runs.index(run) + 1, retry)
+    return retry
 
 
 def pool(rounds: list[dict]) -> dict:

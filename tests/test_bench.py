@@ -169,10 +169,10 @@ def test_ddp_train_smoke(tmp_path):
     for run in ("dense", "int8"):
         assert float(by_run[run]["step_ms"]) > 0 and 0 < float(by_run[run]["loss"]) < 3
     assert document["link_check"]["seconds"] > 0
-    # Two rounds: each run's one timed step from both rounds pooled; PowerSGD runs once.
+    # Two rounds: each run's one timed step from both rounds pooled.
     pooled = {r["run"]: r for r in document["records"]}
-    assert len(pooled["int8"]["step_ms_all"]) == 2 and pooled["int8"]["rounds"] == 2
-    assert len(pooled["torch PowerSGD r4"]["step_ms_all"]) == 1
+    for run in ("int8", "torch PowerSGD r4"):
+        assert len(pooled[run]["step_ms_all"]) == 2 and pooled[run]["rounds"] == 2
 
 
 @pytest.mark.slow
