@@ -419,7 +419,7 @@ def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel
         assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
-@pytest.mark.parametrize("k", [100, 1_000])
+@pytest.mark.parametrize("k", [100, 2_000])  # the second one samples
 @pytest.mark.parametrize("planted", [False, True])
 def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, planted):
     numel = 20_011

@@ -397,13 +397,21 @@ def sign_decompress(
 # ----------------------------------------------------------------------------- sparsification
 
 
+# Expected sample elements above the threshold. At 400 the count's spread
+# (about 5%) sent 3 of 46 calls of a training run outside 0.9 k..1.1 k, and
+# below 0.9 k the exact fallback costs a full torch.topk (380 ms on 16.8M
+# elements of one CPU core against 5 ms for this sample). At 1600 the spread
+# was 2.8% and no call of the same run fell outside.
+SAMPLE_HITS = 1600
+
+
 def sample_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor | None:
     """Positions whose magnitudes estimate the k-th largest (None: use every element).
 
-    About 400 expected hits in the sample keep the selected count within a
-    few percent of k.
+    ``SAMPLE_HITS`` expected hits in the sample put the selected count within
+    10% of k with 4 standard deviations to spare.
     """
-    sample_size = min(numel, max(4096, math.ceil(400 * numel / k)))
+    sample_size = min(numel, max(4096, math.ceil(SAMPLE_HITS * numel / k)))
     if sample_size >= numel:
         return None
     return torch.randint(numel, (sample_size,), generator=_generator(seed, device), device=device)
