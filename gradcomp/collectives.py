@@ -373,11 +373,10 @@ def _square_sum(a: torch.Tensor, b: torch.Tensor | None = None, subtract: bool =
     """``||a + b||^2`` (or ``||a - b||^2``) in fp32, a chunk at a time: no tensor-sized temporaries."""
     a, b = a.reshape(-1), None if b is None else b.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for start in range(0, a.numel(), ops.reference.CHUNK_ELEMENTS):
-        part = a[start : start + ops.reference.CHUNK_ELEMENTS].float()
+    for start, end in ops.reference.chunks(a.numel(), 1, a.device):
+        part = a[start:end].float()
         if b is not None:
-            other = b[start : start + ops.reference.CHUNK_ELEMENTS].float()
-            part = part - other if subtract else part + other
+            part = part - b[start:end].float() if subtract else part + b[start:end].float()
         total += torch.dot(part, part)
     return float(total)
 

@@ -412,7 +412,7 @@ def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel
     residual = (seeded_randn(numel, seed=7) * 0.01).to(residual_dtype)
     whole = _blockwise_round_trip(op, x, residual.clone(), bits, block)
     monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
-    assert len(reference._chunks(numel, block, CPU)) > 10
+    assert len(reference.chunks(numel, block, CPU)) > 10
     chunked = _blockwise_round_trip(op, x, residual.clone(), bits, block)
     leaves = torch.utils._pytree.tree_leaves
     for got, expected in zip(leaves(chunked), leaves(whole), strict=True):
@@ -436,7 +436,7 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
 
     whole = select()
     monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)
-    assert len(reference._chunks(numel, 1, CPU)) > 1000
+    assert len(reference.chunks(numel, 1, CPU)) > 1000
     for got, expected in zip(select(), whole, strict=True):
         assert torch.equal(got.isnan(), expected.isnan())
         assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
@@ -444,12 +444,12 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
 
 @pytest.mark.parametrize("numel, block", [(10_007, 100), (64, 256)])
 def test_chunks_cover_whole_blocks_and_bytes(numel, block):
-    chunks = reference._chunks(numel, block, CPU)
+    chunks = reference.chunks(numel, block, CPU)
     assert chunks[0][0] == 0 and chunks[-1][1] == numel
     assert all(end == next_start for (_, end), (next_start, _) in itertools.pairwise(chunks))
     assert all(start % block == 0 and start % 8 == 0 for start, _ in chunks)
     # Only CPU tensors are chunked: on a GPU chunks would add launches and syncs.
-    assert reference._chunks(numel, block, torch.device("cuda")) == [(0, numel)]
+    assert reference.chunks(numel, block, torch.device("cuda")) == [(0, numel)]
 
 
 # ============================================================================= top-k

@@ -208,7 +208,7 @@ def quantize_blockwise(
     packed = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
     scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
     generator = _generator(seed, x.device) if stochastic else None
-    for start, end in _chunks(numel, block, x.device):
+    for start, end in chunks(numel, block, x.device):
         part_residual = None if residual is None else residual.view(-1)[start:end]
         _quantize_part(
             compensate(x[start:end], part_residual),
@@ -297,7 +297,7 @@ def dequantize_blockwise(
     levels = levels if levels is not None else 2 ** (bits - 1) - 1
     target = torch.empty(numel, dtype=torch.float32, device=q.device) if out is None else out
     q, scales, flat = q.reshape(-1), scales.reshape(-1), target.view(-1)
-    for start, end in _chunks(numel, block, q.device):
+    for start, end in chunks(numel, block, q.device):
         codes = unpack_bits(q[start * bits // 8 : math.ceil(end * bits / 8)], bits, end - start)
         # The signed levels, made in bytes (the uint8 subtraction wraps into int8).
         level = _blocks(torch.sub(codes, levels).view(torch.int8).to(torch.float32), block)
@@ -337,7 +337,7 @@ def write_out(decoded: torch.Tensor, out: torch.Tensor | None, accumulate: bool)
 CHUNK_ELEMENTS = 2**20
 
 
-def _chunks(numel: int, block: int, device: torch.device) -> list[tuple[int, int]]:
+def chunks(numel: int, block: int, device: torch.device) -> list[tuple[int, int]]:
     """Element ranges covering ``numel``: whole blocks, whole bytes of codes."""
     if device.type != "cpu":
         return [(0, numel)] if numel else []
@@ -361,7 +361,7 @@ def sign_compress(
     numel = x.numel()
     packed = torch.empty(math.ceil(numel / 8), dtype=torch.uint8, device=x.device)
     scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
-    for start, end in _chunks(numel, block, x.device):
+    for start, end in chunks(numel, block, x.device):
         part_residual = None if residual is None else residual.view(-1)[start:end]
         part = end - start
         blocks = _blocks(compensate(x[start:end], part_residual), block)
@@ -391,7 +391,7 @@ def sign_decompress(
     """Decode :func:`sign_compress`: ``scale * (+1 | -1)``."""
     target = torch.empty(numel, dtype=torch.float32, device=packed.device) if out is None else out
     packed, scales, flat = packed.reshape(-1), scales.reshape(-1), target.view(-1)
-    for start, end in _chunks(numel, block, packed.device):
+    for start, end in chunks(numel, block, packed.device):
         signs = unpack_bits(packed[start // 8 : math.ceil(end / 8)], 1, end - start)
         level = _blocks(signs.to(torch.float32).mul_(2).sub_(1), block)
         _scale_out(level, scales[start // block : math.ceil(end / block)], flat[start:end], accumulate)
@@ -488,7 +488,7 @@ def _reaching(y: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     the indices of a mask several times faster than ``torch.nonzero``.
     """
     found = []
-    for start, end in _chunks(y.numel(), 1, y.device):
+    for start, end in chunks(y.numel(), 1, y.device):
         mask = selection_magnitude(y[start:end]) >= threshold
         if mask.device.type == "cpu":
             where = torch.from_numpy(np.flatnonzero(mask.numpy()))
