@@ -526,15 +526,16 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     # residual) and start the exchange that gives rank j everyone's chunk j.
     exchanges = []
     for s in range(parts):
-        buffers = []
-        for j in range(world):
+        # Each piece's payload goes straight into its slice of the send buffer.
+        in_splits = [buffer_size(layout(*pieces[j][s])) for j in range(world)]
+        sent = torch.empty(sum(in_splits), dtype=torch.uint8, device=flat.device)  # alive until sent
+        for j, piece_buffer in enumerate(sent.split(in_splits)):
             start, end = pieces[j][s]
             chunk_residual = None if residual is None else residual[start:end]
-            buffers.append(compress_piece(start, end, chunk_residual, mix_seed(job.key, j, s)).to_buffer())
-        in_splits = [b.numel() for b in buffers]
+            payload = compress_piece(start, end, chunk_residual, mix_seed(job.key, j, s))
+            payload.to_buffer(out=piece_buffer)
         mine = in_splits[rank]
         received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
-        sent = torch.cat(buffers)  # kept alive until the exchange is done
         work = dist.all_to_all_single(received, sent, [mine] * world, in_splits, group=q.group, async_op=True)
         exchanges.append((work, received, mine, sent))
         stats.bytes_sent += sum(in_splits) - mine

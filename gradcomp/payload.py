@@ -55,17 +55,24 @@ class Payload:
     def _wire_tensors(self) -> list[torch.Tensor]:
         return [self.tensors[name] for name, _, _ in wire_order(self.layout())]
 
-    def to_buffer(self, size: int | None = None) -> torch.Tensor:
+    def to_buffer(self, size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """All tensors as one flat uint8 buffer, zero-padded to ``size`` bytes
-        (default: :func:`buffer_size` of the layout)."""
-        size = buffer_size(self.layout()) if size is None else size
-        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        (default: :func:`buffer_size` of the layout), or written into ``out``
+        (a flat uint8 tensor, padded to its end) and returned."""
+        if out is None:
+            size = buffer_size(self.layout()) if size is None else size
+            out = torch.empty(size, dtype=torch.uint8, device=self.device)
         offset = 0
         for tensor in self._wire_tensors():
             raw = tensor.contiguous().view(torch.uint8).view(-1)
-            buffer[offset : offset + raw.numel()] = raw
+            if offset + raw.numel() > out.numel():
+                raise ValueError(
+                    f"payload needs at least {buffer_size(self.layout())} bytes, got {out.numel()}"
+                )
+            out[offset : offset + raw.numel()] = raw
             offset += raw.numel()
-        return buffer
+        out[offset:].zero_()
+        return out
 
     def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Payload:
         return dataclasses.replace(self, tensors=tensors)

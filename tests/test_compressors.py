@@ -213,6 +213,12 @@ def test_buffer_round_trip_decodes_identically(variant, numel, dtype):
         restored = Payload.from_buffer(wire, layout, payload.shape, payload.dtype, payload.meta)
         assert restored.nbytes == payload.nbytes
         assert torch.equal(compressor.decompress(restored), expected)
+    # Into a given (dirty) buffer: the same bytes, padding zeroed; too small is an error.
+    dirty = torch.full((buffer.numel() + ALIGN,), 255, dtype=torch.uint8)
+    assert payload.to_buffer(out=dirty) is dirty
+    assert torch.equal(dirty, payload.to_buffer(dirty.numel()))
+    with pytest.raises(ValueError, match="needs at least"):
+        payload.to_buffer(out=torch.empty(payload.nbytes - 1, dtype=torch.uint8))
 
 
 # ============================================================================= error feedback
