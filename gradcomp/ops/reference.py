@@ -402,10 +402,10 @@ def sign_decompress(
 
 
 # Expected sample elements above the threshold. At 400 the count's spread
-# (about 5%) sent 3 of 46 calls of a training run outside 0.9 k..1.1 k, and
-# below 0.9 k the exact fallback costs a full torch.topk (380 ms on 16.8M
-# elements of one CPU core against 5 ms for this sample). At 1600 the spread
-# was 2.8% and no call of the same run fell outside.
+# (about 5%) sent 3 of 46 calls of a bench/ddp_train.py run outside
+# 0.9 k..1.1 k, and below 0.9 k the exact fallback costs a full torch.topk,
+# many times the cost of a four times larger sample. At 1600 the spread was
+# 2.8% and no call of the same run fell outside.
 SAMPLE_HITS = 1600
 
 
