@@ -506,6 +506,12 @@ def test_topk_always_selects_non_finite(exact, numel, k):
     assert not torch.isfinite(values).all()
 
 
+def test_selection_magnitude_ranks_nan_and_inf_alike():
+    """As the Triton and CUDA kernels do: NaN and +-inf are all the largest magnitude, inf."""
+    y = torch.tensor([math.nan, math.inf, -math.inf, -3.4028235e38, -0.0])
+    assert torch.equal(reference.selection_magnitude(y), torch.tensor([math.inf] * 3 + [3.4028235e38, 0.0]))
+
+
 def test_topk_index_dtype_and_bad_k():
     x = seeded_randn(100, seed=62)
     assert ops.topk_select(x, 5, index_dtype=torch.int64)[1].dtype == torch.int64

@@ -428,8 +428,9 @@ def threshold_from_sample(sample_magnitude: torch.Tensor, k: int, numel: int) ->
 
 
 def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
-    """|y| with NaN as inf: NaN must win a selection like inf does, not be dropped."""
-    return y.abs().nan_to_num_(nan=math.inf)
+    """|y| with NaN as inf: NaN must win a selection like inf does, not be dropped.
+    (inf stays inf: nan_to_num's default would turn it into the largest float.)"""
+    return y.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
 
 
 def cut_to_k(indices: torch.Tensor, magnitude: torch.Tensor, k: int) -> torch.Tensor:
