@@ -506,10 +506,55 @@ def test_topk_always_selects_non_finite(exact, numel, k):
     assert not torch.isfinite(values).all()
 
 
+SPECIAL_VALUES = [0.0, -0.0, 1e-45, -1e-45, 1.1754944e-38, 0.5, -0.5, 2.0, -3.4028235e38, math.inf, -math.inf]
+
+
 def test_selection_magnitude_ranks_nan_and_inf_alike():
     """As the Triton and CUDA kernels do: NaN and +-inf are all the largest magnitude, inf."""
     y = torch.tensor([math.nan, math.inf, -math.inf, -3.4028235e38, -0.0])
     assert torch.equal(reference.selection_magnitude(y), torch.tensor([math.inf] * 3 + [3.4028235e38, 0.0]))
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1e-45, 0.5, 2.0, 3.4028235e38, math.inf])
+@pytest.mark.parametrize("pending", [False, True])
+def test_topk_bit_pattern_compare_is_the_magnitude_compare(threshold, pending):
+    """The CPU selection compares bit patterns; it must pick what |y| >= t (NaN as inf) picks."""
+    values = torch.tensor(SPECIAL_VALUES * 3 + [math.nan, -math.nan], dtype=torch.float32)
+    # NaNs with other payloads and the sign bit set, too.
+    odd_nans = torch.tensor([0x7FC00001, 0x7F800001, -0x00000001, -0x003FFFFF], dtype=torch.int32)
+    y = torch.cat([values, odd_nans.view(torch.float32), seeded_randn(997, seed=71)])
+    assert y.isnan().sum() == 6
+    bound = torch.tensor(threshold, dtype=torch.float32)
+    expected = torch.nonzero(reference.selection_magnitude(y) >= bound).view(-1)
+    if pending:
+        add = seeded_randn(y.numel(), seed=72, dtype=torch.float16)
+        base = y.clone()
+        expected = torch.nonzero(reference.selection_magnitude(y + add.float()) >= bound).view(-1)
+        got = reference._reaching(base, bound, add)
+        assert torch.equal(base.isnan(), (y + add.float()).isnan())
+    else:
+        got = reference._reaching(y.clone(), bound)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_topk_residual_finite_when_non_finite_outnumber_k(exact):
+    """More inf/NaN than k: some stay unsent, and the residual must still be cleaned of them."""
+    numel, k = 50_000, 20
+    x = seeded_randn(numel, seed=73)
+    generator = torch.Generator().manual_seed(74)
+    planted = torch.randperm(numel, generator=generator)[:60]
+    x[planted[:20]], x[planted[20:40]], x[planted[40:]] = math.nan, math.inf, -math.inf
+    residual = seeded_randn(numel, seed=75) * 0.1
+    values, indices = ops.topk_select(x, k, residual, exact=exact, seed=5)
+    assert set(indices.tolist()) <= set(planted.tolist())
+    assert not torch.isfinite(values).any()
+    assert torch.isfinite(residual).all()
+    # Finite entries were kept whole.
+    finite = torch.isfinite(x)
+    expected = x + seeded_randn(numel, seed=75) * 0.1
+    assert torch.equal(residual[finite], expected[finite])
 
 
 def test_topk_index_dtype_and_bad_k():

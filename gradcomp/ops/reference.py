@@ -465,49 +465,81 @@ def topk_select(
     numel = x.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
-    y = _compensate_in_residual(x, residual)
+    # y = x + residual. An fp32 residual becomes y in place, lazily: the
+    # sampling path adds x a chunk at a time inside the selection loop.
+    if residual is not None and residual.dtype == torch.float32:
+        y, pending = residual.view(-1), x.reshape(-1)
+    else:
+        y, pending = compensate(x, residual), None
+    picks = None if exact or k == numel else sample_positions(numel, k, seed, y.device)
+    if picks is None and pending is not None:
+        y += pending
+        pending = None
     if exact or k == numel:
         indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     else:
-        picks = sample_positions(numel, k, seed, y.device)
-        threshold = threshold_from_sample(selection_magnitude(y if picks is None else y[picks]), k, numel)
-        indices = _reaching(y, threshold)
+        # (x + r)[picks] has the bits of y[picks] once y is complete.
+        sample = y[picks] if pending is None else torch.add(pending[picks].float(), y[picks])
+        threshold = threshold_from_sample(selection_magnitude(sample), k, numel)
+        indices = _reaching(y, threshold, pending)
         if indices.numel() > math.floor(1.1 * k):
             indices = cut_to_k(indices, selection_magnitude(y[indices]), k)
         elif indices.numel() < math.ceil(0.9 * k):
             indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     picked = y[indices]
     values = picked.to(value_dtype)
-    _keep_unsent(residual, y, indices, picked - values.float())
+    # Every selection takes inf and NaN first (up to k of them), so y has a
+    # non-finite entry outside the picks only if a pick is non-finite.
+    clean = residual is not None and bool(torch.isfinite(picked).all())
+    _keep_unsent(residual, y, indices, picked - values.float(), finite=clean)
     return values, indices.to(index_dtype or index_dtype_for(numel))
 
 
-def _reaching(y: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _reaching(y: torch.Tensor, threshold: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
     """Ascending indices (int64) where :func:`selection_magnitude` of ``y`` reaches ``threshold``.
 
-    On CPU a chunk at a time (no tensor-sized temporaries), with numpy finding
-    the indices of a mask several times faster than ``torch.nonzero``.
+    With ``pending``, ``y += pending`` first (in the same chunk loop on CPU).
+    On CPU a chunk at a time, in numpy, on the bit patterns: for floats of
+    either sign, ``bits & 0x7FFFFFFF`` orders as ``|y|`` does, inf included,
+    and NaN's patterns lie above inf's, so NaN reaches every threshold, as
+    in :func:`selection_magnitude`. Two integer passes and no temporaries
+    instead of abs, nan_to_num and a float compare.
     """
+    if y.device.type != "cpu":
+        if pending is not None:
+            y += pending
+        return torch.nonzero(selection_magnitude(y) >= threshold).view(-1)
+    bound = int(np.float32(threshold.item()).view(np.int32))
+    pieces = chunks(y.numel(), 1, y.device)
+    size = max(end - start for start, end in pieces)
+    bits, mask = np.empty(size, np.int32), np.empty(size, np.bool_)
+    patterns = y.numpy().view(np.int32)
     found = []
-    for start, end in chunks(y.numel(), 1, y.device):
-        mask = selection_magnitude(y[start:end]) >= threshold
-        if mask.device.type == "cpu":
-            where = torch.from_numpy(np.flatnonzero(mask.numpy()))
-        else:
-            where = torch.nonzero(mask).view(-1)
-        found.append(where.add_(start))
-    return found[0] if len(found) == 1 else torch.cat(found)
+    for start, end in pieces:
+        if pending is not None:
+            y[start:end] += pending[start:end]
+        n = end - start
+        np.bitwise_and(patterns[start:end], 0x7FFFFFFF, out=bits[:n])
+        np.greater_equal(bits[:n], bound, out=mask[:n])
+        found.append(np.flatnonzero(mask[:n]) + start)
+    return torch.from_numpy(found[0] if len(found) == 1 else np.concatenate(found))
 
 
 def _keep_unsent(
-    residual: torch.Tensor | None, y: torch.Tensor, indices: torch.Tensor, lost: torch.Tensor
+    residual: torch.Tensor | None,
+    y: torch.Tensor,
+    indices: torch.Tensor,
+    lost: torch.Tensor,
+    finite: bool = False,
 ) -> None:
     """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``.
-    Consumes ``y`` (non-finite entries zeroed in place)."""
+    Consumes ``y`` (non-finite entries zeroed in place, a pass skipped when
+    the caller knows them ``finite``)."""
     if residual is None:
         return
     flat = residual.view(-1)
-    y.nan_to_num_(0.0, 0.0, 0.0)
+    if not finite:
+        y.nan_to_num_(0.0, 0.0, 0.0)
     if y.data_ptr() != flat.data_ptr():  # else y is the residual already
         flat.copy_(y)
     flat[indices] = lost.nan_to_num(0.0, 0.0, 0.0).to(flat.dtype)
