@@ -113,6 +113,32 @@ def test_allgather_is_bit_exact_sum_of_local_decodings():
     run_ranks(_allgather_equals_local_decoding, 3)
 
 
+def test_sparse_average_has_the_bits_of_dividing_everywhere():
+    """Averaging sparse payloads divides only at their indices; overlaps (one of them
+    cancelling to zero) and a world size that is not a power of two must not show."""
+    numel, world_size = 5000, 3
+    compressor = gradcomp.get_compressor("topk", k=50, exact=True)
+    shared = torch.arange(0, 1000, 25)  # large on every rank: the same 40 indices
+    buffers, metas = [], []
+    for rank in range(world_size):
+        x = _input(rank, numel, torch.float32, salt=11)
+        x[shared] = 10.0 + rank / 3
+        x[17] = (1 - 2 * (rank % 2)) * 50.0 if rank < 2 else 0.0  # +50, -50: sums to 0
+        payload = compressor.compress(x, Context(step=0, key=1, rank=rank))
+        assert {17, *shared.tolist()} <= set(payload.tensors["indices"].tolist()) or rank == 2
+        buffers.append(payload.to_buffer())
+        metas.append(payload.meta)
+    got = gradcomp.collectives._decode_sum(compressor, buffers, metas, numel, torch.float32, "avg")
+    expected = torch.zeros(numel)
+    for buffer, meta in zip(buffers, metas, strict=True):
+        layout = compressor.payload_layout(numel, torch.float32, meta)
+        payload = gradcomp.Payload.from_buffer(buffer, layout, torch.Size([numel]), torch.float32, meta)
+        compressor.decompress(payload, out=expected, accumulate=True)
+    expected /= world_size
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert (got != 0).sum() >= 60 and got[17].item() == 0.0
+
+
 def _feedback_loses_nothing(rank: int, world_size: int) -> None:
     # Sum over ranks of what went in (input + old residuals) equals what came
     # out (W * average) plus what stayed behind (new residuals), for every
