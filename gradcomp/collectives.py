@@ -18,6 +18,12 @@ cannot promise that: callbacks run in completion order, which differs
 between ranks. The clone keeps these collectives apart from whatever the
 caller's thread issues on the group meanwhile.
 
+Overlap. A job may pause once, while its last exchange is in flight (the
+all-gather of sparse payloads): if the next job is already queued, the
+worker starts it (compressing it overlaps the transfer) and then finishes
+the paused one. Jobs still start, issue their collectives and finish in
+submission order; a job with nothing queued behind it finishes at once.
+
 Agreement. The first time a (compressor settings, numel, dtype, algorithm,
 op) combination meets a group, the ranks compare fingerprints; a rank with
 different settings makes every rank raise ``ValueError`` instead of hanging
@@ -27,13 +33,15 @@ or decoding garbage.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import inspect
 import math
 import queue
 import threading
 import time
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 
 import torch
 import torch.distributed as dist
@@ -115,7 +123,10 @@ class Work:
 class CollectiveQueue:
     """One worker thread that runs a group's gradcomp collectives in FIFO order.
 
-    ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error).
+    ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error);
+    when ``fn()`` returns a generator (:func:`job_steps`), to the generator's
+    return value, and the worker may overlap it with the next job where it
+    yields.
     CUDA work runs on the submitting thread's current stream, so it is
     ordered after whatever produced the tensor.
 
@@ -151,34 +162,88 @@ class CollectiveQueue:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        paused = None  # a started job waiting on its exchange
         while True:
+            if paused is not None and self._jobs.empty():
+                self._finish(paused)  # nothing to overlap it with
+                paused = None
             job = self._jobs.get()
             if job is None:
+                if paused is not None:
+                    self._finish(paused)
                 return
-            fn, future, stream = job
-            if self.failure is not None:
-                future.set_exception(
-                    RuntimeError(
-                        f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
-                        "call gradcomp.collectives.release_queues() on every rank to start afresh"
-                    )
-                )
-                continue
-            try:
-                if stream is None:
-                    result = fn()
-                else:
-                    with torch.cuda.stream(stream):
-                        result = fn()
-            except BaseException as error:  # noqa: BLE001 - handed to the waiter
-                self.failure = error
-                future.set_exception(error)
-                continue
-            if stream is None:
-                future.set_result(result)
+            started = self._start(*job)
+            if paused is not None:
+                self._finish(paused)
+            paused = None
+            if started.steps is None:
+                self._finish(started)  # after the one before: futures complete in order
             else:
-                with torch.cuda.stream(stream):
-                    future.set_result(result)
+                paused = started
+
+    def _start(self, fn: Callable[[], object], future: torch.futures.Future, stream) -> _Started:
+        """Run ``fn`` up to its pause or to its end."""
+        started = _Started(future, stream)
+        if self.failure is not None:
+            started.error = RuntimeError(
+                f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
+                "call gradcomp.collectives.release_queues() on every rank to start afresh"
+            )
+            return started
+        try:
+            with _on(stream):
+                result = fn()
+                if inspect.isgenerator(result):
+                    try:
+                        next(result)
+                    except StopIteration as done:
+                        result = done.value
+                    else:
+                        started.steps = result
+        except BaseException as error:  # noqa: BLE001 - handed to the waiter
+            self.failure = started.error = error
+        else:
+            started.result = result
+        return started
+
+    def _finish(self, started: _Started) -> None:
+        """Run a paused job to its end; complete its future."""
+        if started.steps is not None:
+            try:
+                with _on(started.stream):
+                    started.result = drive(started.steps)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiter
+                self.failure = started.error = error
+        if started.error is not None:
+            started.future.set_exception(started.error)
+            return
+        with _on(started.stream):
+            started.future.set_result(started.result)
+
+
+@dataclasses.dataclass
+class _Started:
+    """A job run up to its pause (``steps`` to resume) or to its end."""
+
+    future: torch.futures.Future
+    stream: object
+    steps: Generator | None = None
+    result: object = None
+    error: BaseException | None = None
+
+
+def _on(stream):
+    """``torch.cuda.stream(stream)``, or nothing for CPU jobs."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def drive(steps: Generator):
+    """Run a job's steps to the end, without pausing; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 _QUEUES: dict[object, CollectiveQueue] = {}
@@ -389,6 +454,12 @@ def _residual(job: Job, name: Hashable, like: torch.Tensor) -> torch.Tensor | No
 
 def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
     """Run ``job`` on ``q``'s group, blocking; called on the queue's worker thread."""
+    return drive(job_steps(job, q))
+
+
+def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats]:
+    """:func:`run_job` as steps: pauses (yields) at most once, while an exchange
+    is in flight, so that the worker can start the next job meanwhile."""
     tensor = job.tensor
     dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
     stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
@@ -402,7 +473,7 @@ def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
     elif job.algorithm == "dense":
         _dense(job, flat, q, stats)
     elif job.algorithm == "allgather":
-        _allgather(job, flat, q, stats)
+        yield from _allgather(job, flat, q, stats)
     else:
         _two_phase(job, flat, q, stats)
     if work is not tensor:
@@ -465,7 +536,7 @@ def _decode_sum(
     return total
 
 
-def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, q.rank, stats)
     size = buffer_size(payload.layout())
     meta_keys = sorted(payload.meta)
@@ -483,8 +554,11 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         metas = [dict(zip(meta_keys, row[1:], strict=True)) for row in rows]
     width = max(sizes)
     gathered = torch.empty(q.world_size * width, dtype=torch.uint8, device=flat.device)
-    _all_gather(gathered, payload.to_buffer(width), q.group)
+    sent = payload.to_buffer(width)
+    exchange = _all_gather_async(gathered, sent, q.group)
     stats.bytes_sent += width * (q.world_size - 1)
+    yield  # the exchange is in flight: the next job may start meanwhile
+    exchange.wait()
     with _Timer(stats):
         buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
         # An fp32 tensor takes the sum directly; others get it rounded once at the end.
@@ -653,7 +727,7 @@ def all_reduce(
         counters[name] = step + 1
     q = queue_for(group)
     job = Job(tensor, compressor, op, algorithm, memory, key_of(name), step, measure_error)
-    future = q.submit(lambda: run_job(job, q), tensor.device)
+    future = q.submit(lambda: job_steps(job, q), tensor.device)
     if async_op:
         return Work(future)
     return future.wait()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
-from gradcomp.collectives import Job, ReduceStats, check_algorithm, new_future, queue_for, run_job
+from gradcomp.collectives import Job, ReduceStats, check_algorithm, drive, job_steps, new_future, queue_for
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -258,7 +258,8 @@ class HookState:
             self.feedback.set(index, torch.cat(parts))
 
     # ------------------------------------------------------------------ reduction (worker thread)
-    def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout, step: int, last: bool, q) -> None:
+    def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout, step: int, last: bool, q):
+        """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce ``tensor`` in place."""
         self._adopt_layout(index, layout, tensor)
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         job = Job(
@@ -271,7 +272,7 @@ class HookState:
             step=step,
             measure_error=self.measure_error and not dense,
         )
-        reduced = run_job(job, q)
+        reduced = yield from job_steps(job, q)
         current = self._open_stats.setdefault(step, StepStats(step))
         current.add(reduced, compressed=not dense)
         if last:
@@ -298,7 +299,7 @@ class HookState:
         for position, index in enumerate(indices):
             layout = restored[index]
             flat = torch.cat([views[number][1] for number, _ in layout])
-            self._reduce(flat, index, layout, step, position == len(indices) - 1, q)
+            drive(self._reduce(flat, index, layout, step, position == len(indices) - 1, q))
             for (number, _), piece in zip(layout, flat.split([n for _, n in layout]), strict=True):
                 views[number][1].copy_(piece)
         self._restored_layouts = None
@@ -328,8 +329,18 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             q.submit(lambda: _finish_held(state, step, q), buffer.device)
         return future
     state._restored_layouts = None
-    future = q.submit(lambda: state._reduce(buffer, index, layout, step, last, q) or buffer, buffer.device)
+
+    def steps():
+        return _returning(state._reduce(buffer, index, layout, step, last, q), buffer)
+
+    future = q.submit(steps, buffer.device)
     return future.then(_value)
+
+
+def _returning(steps, value):
+    """``steps``, then ``value`` as their result."""
+    yield from steps
+    return value
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:

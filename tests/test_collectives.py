@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -191,6 +192,87 @@ def _async_returns_before_done(rank: int, world_size: int) -> None:
 
 def test_async_op():
     run_ranks(_async_returns_before_done, 2)
+
+
+def _paused_job(name: str, events: list, fail: bool = False):
+    def steps():
+        events.append(f"{name} start")
+        yield
+        events.append(f"{name} finish")
+        if fail:
+            raise ValueError(f"{name} failed")
+        return name
+
+    return steps
+
+
+def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
+    cpu = torch.device("cpu")
+    q = gradcomp.collectives.queue_for(None)
+    gate, events, completed = threading.Event(), [], []
+    q.submit(lambda: gate.wait(30), cpu)  # holds the worker while the next jobs queue up
+    futures = [
+        q.submit(_paused_job("A", events), cpu),
+        q.submit(_paused_job("B", events), cpu),
+        q.submit(lambda: events.append("C") or "C", cpu),
+    ]
+    for future in futures:
+        future.add_done_callback(lambda done: completed.append(done.value()))
+    gate.set()
+    assert [future.wait() for future in futures] == ["A", "B", "C"]
+    # Each paused job finishes after the next one started; futures complete in order.
+    assert events == ["A start", "B start", "A finish", "C", "B finish"]
+    assert completed == ["A", "B", "C"]
+    # With nothing queued behind it, a paused job finishes at once.
+    assert q.submit(_paused_job("D", events), cpu).wait() == "D"
+    # A job failing after its pause fails alone; the one started meanwhile
+    # completes; later ones fail at once until the queues are released.
+    gate.clear()
+    q.submit(lambda: gate.wait(30), cpu)
+    failing = q.submit(_paused_job("E", events, fail=True), cpu)
+    meanwhile = q.submit(lambda: "F", cpu)
+    gate.set()
+    with pytest.raises(ValueError, match="E failed"):
+        failing.wait()
+    assert meanwhile.wait() == "F"
+    with pytest.raises(RuntimeError, match="earlier gradcomp collective"):
+        q.submit(lambda: "G", cpu).wait()
+    gradcomp.collectives.release_queues()
+
+
+def test_worker_overlaps_a_paused_job_with_the_next_in_order():
+    run_ranks(_worker_overlaps_in_order, 1, timeout=120)
+
+
+def _overlapped_allgathers_match_one_at_a_time(rank: int, world_size: int) -> None:
+    compressor = gradcomp.get_compressor("topk", ratio=0.05)
+    inputs = [_input(rank, 20_000 + 1000 * i, torch.float32, salt=i) for i in range(4)]
+    one_at_a_time, memory = [], gradcomp.ErrorFeedback()
+    for step in range(2):
+        for i, x in enumerate(inputs):
+            result = x.clone()
+            gradcomp.all_reduce(result, compressor, feedback=memory, name=i, step=step)
+            one_at_a_time.append(result)
+    overlapped, handles, memory_too = [], [], gradcomp.ErrorFeedback()
+    for step in range(2):
+        for i, x in enumerate(inputs):
+            overlapped.append(x.clone())
+            handles.append(
+                gradcomp.all_reduce(
+                    overlapped[-1], compressor, feedback=memory_too, name=i, step=step, async_op=True
+                )
+            )
+    for handle in handles:
+        handle.wait()
+    for got, expected in zip(overlapped, one_at_a_time, strict=True):
+        assert torch.equal(got, expected)
+    for i in range(len(inputs)):
+        key = gradcomp.collectives.key_of(i)
+        assert torch.equal(memory_too.get(key), memory.get(key))
+
+
+def test_overlapped_allgathers_are_bit_exact():
+    run_ranks(_overlapped_allgathers_match_one_at_a_time, 3)
 
 
 def _nonfinite_is_never_hidden(rank: int, world_size: int) -> None:
