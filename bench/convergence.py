@@ -15,9 +15,11 @@ peak learning rate of 0.01, at which every compressor trains stably (at
 about 100 steps of gradient at once).
 
 Reported per run: the final cross-entropy on the whole training set, its
-relative difference from the dense run's, the test accuracy, and the bytes
-one rank sends per step (ring model); the loss after every epoch goes to a
-PNG.
+relative difference from the dense run's, the test accuracy and test
+cross-entropy, the squared norm of the weights (weight decay's half of the
+objective: a run can reach a lower training loss with larger weights), and
+the bytes one rank sends per step (ring model); the loss after every epoch
+goes to a PNG.
 
 Examples:
     python bench/convergence.py
@@ -112,7 +114,7 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
             step_seconds.append(time.perf_counter() - began)
         curve.append(evaluate(net, data)[0])
         progress.update(done + epoch + 1, run["label"])
-    train_loss, accuracy = evaluate(net, data)
+    train_loss, accuracy, test_loss = evaluate(net, data)
     numel = sum(p.numel() for p in net.parameters())
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
     sent = statistics.mean(s.bytes_sent for s in state.stats) if state else dense_bytes
@@ -127,16 +129,20 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         step_ms=1e3 * statistics.median(step_seconds),
         train_loss=train_loss,
         test_accuracy=accuracy,
+        test_loss=test_loss,
+        weight_sq=sum(float(p.detach().double().square().sum()) for p in net.parameters()),
         curve=curve,
     )
 
 
-def evaluate(net: torch.nn.Module, data: dict) -> tuple[float, float]:
-    """(cross-entropy on the whole training set, accuracy on the test set)."""
+def evaluate(net: torch.nn.Module, data: dict) -> tuple[float, float, float]:
+    """(cross-entropy on the whole training set, accuracy and cross-entropy on the test set)."""
     with torch.no_grad():
         loss = F.cross_entropy(net(data["x_train"]), data["y_train"]).item()
-        accuracy = (net(data["x_test"]).argmax(1) == data["y_test"]).float().mean().item()
-    return loss, accuracy
+        logits = net(data["x_test"])
+        accuracy = (logits.argmax(1) == data["y_test"]).float().mean().item()
+        test_loss = F.cross_entropy(logits, data["y_test"]).item()
+    return loss, accuracy, test_loss
 
 
 def ranks(rank: int, world_size: int, runs: list[dict], settings: dict) -> list[dict]:
@@ -171,7 +177,8 @@ def target(record: dict) -> str:
 
 
 def format_report(records: list[dict]) -> str:
-    header = ["run", "bytes/step", "ratio", "step ms", "train loss", "vs dense", "test acc"]
+    header = ["run", "bytes/step", "ratio", "step ms", "train loss", "vs dense", "test acc", "test loss"]
+    header.append("|w|^2")
     header.append(f"target: loss within {100 * TOLERANCE:g}% of dense")
     rows = [
         [
@@ -182,6 +189,8 @@ def format_report(records: list[dict]) -> str:
             f"{r['train_loss']:.5f}",
             f"{100 * r['loss_vs_dense']:+.2f}%",
             f"{100 * r['test_accuracy']:.1f}%",
+            f"{r['test_loss']:.4f}",
+            f"{r['weight_sq']:.1f}",
             r["target"],
         ]
         for r in records

@@ -182,7 +182,9 @@ def test_convergence_smoke(tmp_path):
     assert "\r[" in result.stderr, "the progress line should be rewritten in place"
     rows, document = read_results(tmp_path, stem("convergence"))
     assert [r["run"] for r in rows] == ["dense", "int8 (feedback)", "int8 (no feedback)"]
-    assert {"train_loss", "loss_vs_dense", "test_accuracy", "bytes_per_step", "target"} <= set(rows[0])
+    columns = {"train_loss", "loss_vs_dense", "test_accuracy", "test_loss", "weight_sq", "bytes_per_step"}
+    assert columns | {"target"} <= set(rows[0])
+    assert float(rows[0]["weight_sq"]) > 0 and float(rows[0]["test_loss"]) > 0
     assert float(rows[0]["loss_vs_dense"]) == 0
     assert rows[1]["target"].startswith(("met", "missed"))
     assert all(len(curve) == 1 for curve in document["curves"].values())
