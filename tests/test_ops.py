@@ -619,6 +619,20 @@ def test_randk_select_values_are_scaled_picks(scale):
     assert torch.equal(values, x[ops.randk_indices(1023, 30, 10)] * scale)
 
 
+def test_randk_indices_recent_ones_are_reused_as_copies(monkeypatch):
+    monkeypatch.setattr(reference, "_RECENT_INDICES", {})  # what this test caches stays here
+    first = reference.randk_indices(100_000, 1000, seed=77)
+    first[:] = 0  # a caller scribbling on its copy
+    calls = []
+    monkeypatch.setattr(reference, "feistel_permute", lambda *a: calls.append(a) or a[0])
+    again = reference.randk_indices(100_000, 1000, seed=77)
+    assert not calls, "recomputed"
+    assert torch.unique(again).numel() == 1000 and again.max() < 100_000
+    assert torch.equal(again, again.sort().values)
+    reference.randk_indices(100_000, 1000, seed=78)  # another seed is computed
+    assert calls
+
+
 def test_randk_select_finite_input_stays_finite():
     """Finite values whose fp32 sum overflows must not turn a sent value into NaN."""
     x = torch.tensor([3e38, 3e38, 1.0, 2.0])
