@@ -21,6 +21,7 @@ Writes ``bench/results/kernels-<machine>.{csv,json}``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -77,6 +78,7 @@ def build_cases(n: int, device: torch.device):
     feedback, accumulate = 12 * n, 8 * n
     int8_payload, int4_payload = n + 4 * (n // 256), n // 2 + 4 * (n // 256)
     sign_payload, sparse_payload = n // 8 + 4 * (n // 1024), 8 * k
+    seeds = itertools.count(5)
     cases = {
         "copy": (None, 8 * n, lambda impl: copy_target.copy_(x)),
         "quantize_int8_ef": (
@@ -112,7 +114,8 @@ def build_cases(n: int, device: torch.device):
         "randk_1pct_ef": (
             "randk_select",
             feedback + sparse_payload,
-            lambda impl: impl("randk_select")(x, k, 5, residual),
+            # A new seed every call, as every step has: recent indices are reused.
+            lambda impl: impl("randk_select")(x, k, next(seeds), residual),
         ),
         "topk_1pct_ef": (
             "topk_select",
