@@ -150,10 +150,17 @@ class CollectiveQueue:
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object], device: torch.device) -> torch.futures.Future:
+    def submit(
+        self, fn: Callable[[], object], device: torch.device, writes: torch.Tensor | None = None
+    ) -> torch.futures.Future:
+        """Queue ``fn``; ``writes``: the tensor it writes its result into, if any.
+
+        A job starts while the one before is paused only if their ``writes``
+        share no storage: it must see the result of the one before it.
+        """
         future = new_future(device)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self._jobs.put((fn, future, stream))
+        self._jobs.put((fn, future, stream, writes))
         return future
 
     def close(self) -> None:
@@ -172,7 +179,11 @@ class CollectiveQueue:
                 if paused is not None:
                     self._finish(paused)
                 return
-            started = self._start(*job)
+            fn, future, stream, writes = job
+            if paused is not None and _may_share(paused.writes, writes):
+                self._finish(paused)  # the next job reads what this one writes
+                paused = None
+            started = self._start(fn, future, stream, writes)
             if paused is not None:
                 self._finish(paused)
             paused = None
@@ -181,9 +192,9 @@ class CollectiveQueue:
             else:
                 paused = started
 
-    def _start(self, fn: Callable[[], object], future: torch.futures.Future, stream) -> _Started:
+    def _start(self, fn: Callable[[], object], future: torch.futures.Future, stream, writes) -> _Started:
         """Run ``fn`` up to its pause or to its end."""
-        started = _Started(future, stream)
+        started = _Started(future, stream, writes)
         if self.failure is not None:
             started.error = RuntimeError(
                 f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
@@ -227,9 +238,17 @@ class _Started:
 
     future: torch.futures.Future
     stream: object
+    writes: torch.Tensor | None
     steps: Generator | None = None
     result: object = None
     error: BaseException | None = None
+
+
+def _may_share(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two jobs' outputs may overlap (unknown counts as yes)."""
+    if a is None or b is None:
+        return True
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _on(stream):
@@ -459,7 +478,11 @@ def run_job(job: Job, q: CollectiveQueue) -> ReduceStats:
 
 def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats]:
     """:func:`run_job` as steps: pauses (yields) at most once, while an exchange
-    is in flight, so that the worker can start the next job meanwhile."""
+    is in flight, so that the worker can start the next job meanwhile.
+
+    A job pauses only after issuing its last collective: whether the next job
+    starts before it finishes depends on timing that differs between ranks,
+    and collectives must still be issued in the same order on every rank."""
     tensor = job.tensor
     dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
     stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
@@ -471,11 +494,11 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     if q.world_size == 1:
         _local(job, flat, stats)
     elif job.algorithm == "dense":
-        _dense(job, flat, q, stats)
+        yield from _dense(job, flat, q, stats)
     elif job.algorithm == "allgather":
         yield from _allgather(job, flat, q, stats)
     else:
-        _two_phase(job, flat, q, stats)
+        yield from _two_phase(job, flat, q, stats)
     if work is not tensor:
         tensor.copy_(work)
     return stats
@@ -487,7 +510,7 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
         job.compressor.decompress(payload, out=flat)
 
 
-def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     # Divide before the reduction (not after) so 16-bit sums cannot overflow;
     # in place, since the result overwrites the tensor anyway. The residual
     # stays in the input's units, as in the other algorithms.
@@ -499,9 +522,13 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
     payload = _compress_measured(job, source, residual, job.key, q.rank, stats)
     if residual is not None and divide > 1:
         residual.mul_(divide)
+    exchanges = []
     for wire in payload.tensors.values():
-        dist.all_reduce(wire, group=q.group)
+        exchanges.append(dist.all_reduce(wire, group=q.group, async_op=True))
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
+    yield  # every collective of this job is issued: the next job may start
+    for exchange in exchanges:
+        exchange.wait()
     with _Timer(stats):
         job.compressor.decompress(payload, out=flat)
 
@@ -557,7 +584,7 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     sent = payload.to_buffer(width)
     exchange = _all_gather_async(gathered, sent, q.group)
     stats.bytes_sent += width * (q.world_size - 1)
-    yield  # the exchange is in flight: the next job may start meanwhile
+    yield  # every collective of this job is issued: the next job may start
     exchange.wait()
     with _Timer(stats):
         buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
@@ -580,7 +607,7 @@ def _segments(start: int, end: int, parts: int, align: int) -> list[tuple[int, i
     return [(start + a, start + b) for a, b in chunk_bounds(end - start, parts, align)]
 
 
-def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     """Reduce-scatter of compressed chunks, decode, recompress, all-gather.
 
     Rank ``j`` owns chunk ``j`` of :func:`chunk_bounds`. Each chunk is cut
@@ -640,6 +667,7 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
         gathers.append((_all_gather_async(gathered, own, q.group), gathered, width, own))
         stats.bytes_sent += width * (world - 1)
+    yield  # every collective of this job is issued: the next job may start
     # Phase 3: decode every rank's segment into place.
     for s, (work, gathered, width, _) in enumerate(gathers):
         work.wait()
@@ -727,7 +755,7 @@ def all_reduce(
         counters[name] = step + 1
     q = queue_for(group)
     job = Job(tensor, compressor, op, algorithm, memory, key_of(name), step, measure_error)
-    future = q.submit(lambda: job_steps(job, q), tensor.device)
+    future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor)
     if async_op:
         return Work(future)
     return future.wait()

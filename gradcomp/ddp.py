@@ -333,7 +333,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     def steps():
         return _returning(state._reduce(buffer, index, layout, step, last, q), buffer)
 
-    future = q.submit(steps, buffer.device)
+    future = q.submit(steps, buffer.device, writes=buffer)
     return future.then(_value)
 
 

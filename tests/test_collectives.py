@@ -210,11 +210,15 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
     cpu = torch.device("cpu")
     q = gradcomp.collectives.queue_for(None)
     gate, events, completed = threading.Event(), [], []
-    q.submit(lambda: gate.wait(30), cpu)  # holds the worker while the next jobs queue up
+
+    def submit(fn, writes=None):
+        return q.submit(fn, cpu, writes=torch.empty(1) if writes is None else writes)
+
+    submit(lambda: gate.wait(30))  # holds the worker while the next jobs queue up
     futures = [
-        q.submit(_paused_job("A", events), cpu),
-        q.submit(_paused_job("B", events), cpu),
-        q.submit(lambda: events.append("C") or "C", cpu),
+        submit(_paused_job("A", events)),
+        submit(_paused_job("B", events)),
+        submit(lambda: events.append("C") or "C"),
     ]
     for future in futures:
         future.add_done_callback(lambda done: completed.append(done.value()))
@@ -224,19 +228,31 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
     assert events == ["A start", "B start", "A finish", "C", "B finish"]
     assert completed == ["A", "B", "C"]
     # With nothing queued behind it, a paused job finishes at once.
-    assert q.submit(_paused_job("D", events), cpu).wait() == "D"
+    assert submit(_paused_job("D", events)).wait() == "D"
+    # A job writing into the same storage (or not saying where it writes)
+    # waits for the paused one: it must see its result.
+    shared = torch.zeros(10)
+    for second in (shared[5:], None):
+        events.clear()
+        gate.clear()
+        submit(lambda: gate.wait(30))
+        first = submit(_paused_job("H", events), writes=shared[:5])
+        then = q.submit(_paused_job("I", events), cpu, writes=second)
+        gate.set()
+        assert (first.wait(), then.wait()) == ("H", "I")
+        assert events == ["H start", "H finish", "I start", "I finish"]
     # A job failing after its pause fails alone; the one started meanwhile
     # completes; later ones fail at once until the queues are released.
     gate.clear()
-    q.submit(lambda: gate.wait(30), cpu)
-    failing = q.submit(_paused_job("E", events, fail=True), cpu)
-    meanwhile = q.submit(lambda: "F", cpu)
+    submit(lambda: gate.wait(30))
+    failing = submit(_paused_job("E", events, fail=True))
+    meanwhile = submit(lambda: "F")
     gate.set()
     with pytest.raises(ValueError, match="E failed"):
         failing.wait()
     assert meanwhile.wait() == "F"
     with pytest.raises(RuntimeError, match="earlier gradcomp collective"):
-        q.submit(lambda: "G", cpu).wait()
+        submit(lambda: "G").wait()
     gradcomp.collectives.release_queues()
 
 
@@ -244,35 +260,49 @@ def test_worker_overlaps_a_paused_job_with_the_next_in_order():
     run_ranks(_worker_overlaps_in_order, 1, timeout=120)
 
 
-def _overlapped_allgathers_match_one_at_a_time(rank: int, world_size: int) -> None:
-    compressor = gradcomp.get_compressor("topk", ratio=0.05)
-    inputs = [_input(rank, 20_000 + 1000 * i, torch.float32, salt=i) for i in range(4)]
-    one_at_a_time, memory = [], gradcomp.ErrorFeedback()
-    for step in range(2):
-        for i, x in enumerate(inputs):
-            result = x.clone()
-            gradcomp.all_reduce(result, compressor, feedback=memory, name=i, step=step)
-            one_at_a_time.append(result)
-    overlapped, handles, memory_too = [], [], gradcomp.ErrorFeedback()
-    for step in range(2):
-        for i, x in enumerate(inputs):
-            overlapped.append(x.clone())
-            handles.append(
-                gradcomp.all_reduce(
-                    overlapped[-1], compressor, feedback=memory_too, name=i, step=step, async_op=True
-                )
-            )
+def _overlapped_jobs_match_one_at_a_time(rank: int, world_size: int) -> None:
+    # Top-K (allgather), int8 (two_phase) and random-K (dense) jobs submitted
+    # back to back, so that each starts while the one before is paused.
+    compressors = [
+        gradcomp.get_compressor("topk", ratio=0.05),
+        gradcomp.get_compressor("int8"),
+        gradcomp.get_compressor("randk", ratio=0.05),
+    ]
+    inputs = [_input(rank, 20_000 + 1000 * i, torch.float32, salt=i) for i in range(6)]
+
+    def run(overlap: bool):
+        memory, results, handles = gradcomp.ErrorFeedback(), [], []
+        for step in range(2):
+            for i, x in enumerate(inputs):
+                results.append(x.clone())
+                compressor = compressors[i % len(compressors)]
+                options = dict(feedback=memory, name=i, step=step, async_op=overlap)
+                handles.append(gradcomp.all_reduce(results[-1], compressor, **options))
+        for handle in handles if overlap else []:
+            handle.wait()
+        return results, memory
+
+    expected, memory = run(overlap=False)
+    got, memory_too = run(overlap=True)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert sorted(memory_too.keys(), key=repr) == sorted(memory.keys(), key=repr)
+    for key in memory.keys():
+        assert torch.equal(memory_too.get(key), memory.get(key)), key
+    # The same tensor twice: the second call reduces the first one's result.
+    x = _input(rank, 30_000, torch.float32, salt=9)
+    one, two = x.clone(), x.clone()
+    for _ in range(2):
+        gradcomp.all_reduce(one, "int8", feedback=False, name="same", step=0)
+    handles = [gradcomp.all_reduce(two, "int8", feedback=False, name="same", step=0, async_op=True)]
+    handles.append(gradcomp.all_reduce(two, "int8", feedback=False, name="same", step=0, async_op=True))
     for handle in handles:
         handle.wait()
-    for got, expected in zip(overlapped, one_at_a_time, strict=True):
-        assert torch.equal(got, expected)
-    for i in range(len(inputs)):
-        key = gradcomp.collectives.key_of(i)
-        assert torch.equal(memory_too.get(key), memory.get(key))
+    assert torch.equal(one, two)
 
 
-def test_overlapped_allgathers_are_bit_exact():
-    run_ranks(_overlapped_allgathers_match_one_at_a_time, 3)
+def test_overlapped_jobs_are_bit_exact():
+    run_ranks(_overlapped_jobs_match_one_at_a_time, 3)
 
 
 def _nonfinite_is_never_hidden(rank: int, world_size: int) -> None:
