@@ -494,11 +494,11 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     if q.world_size == 1:
         _local(job, flat, stats)
     elif job.algorithm == "dense":
-        yield from _dense(job, flat, q, stats)
+        _dense(job, flat, q, stats)
     elif job.algorithm == "allgather":
         yield from _allgather(job, flat, q, stats)
     else:
-        yield from _two_phase(job, flat, q, stats)
+        _two_phase(job, flat, q, stats)
     if work is not tensor:
         tensor.copy_(work)
     return stats
@@ -510,7 +510,7 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
         job.compressor.decompress(payload, out=flat)
 
 
-def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
     # Divide before the reduction (not after) so 16-bit sums cannot overflow;
     # in place, since the result overwrites the tensor anyway. The residual
     # stays in the input's units, as in the other algorithms.
@@ -522,13 +522,9 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
     payload = _compress_measured(job, source, residual, job.key, q.rank, stats)
     if residual is not None and divide > 1:
         residual.mul_(divide)
-    exchanges = []
     for wire in payload.tensors.values():
-        exchanges.append(dist.all_reduce(wire, group=q.group, async_op=True))
+        dist.all_reduce(wire, group=q.group)
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
-    yield  # every collective of this job is issued: the next job may start
-    for exchange in exchanges:
-        exchange.wait()
     with _Timer(stats):
         job.compressor.decompress(payload, out=flat)
 
@@ -607,7 +603,7 @@ def _segments(start: int, end: int, parts: int, align: int) -> list[tuple[int, i
     return [(start + a, start + b) for a, b in chunk_bounds(end - start, parts, align)]
 
 
-def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
     """Reduce-scatter of compressed chunks, decode, recompress, all-gather.
 
     Rank ``j`` owns chunk ``j`` of :func:`chunk_bounds`. Each chunk is cut
@@ -667,7 +663,6 @@ def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
         gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
         gathers.append((_all_gather_async(gathered, own, q.group), gathered, width, own))
         stats.bytes_sent += width * (world - 1)
-    yield  # every collective of this job is issued: the next job may start
     # Phase 3: decode every rank's segment into place.
     for s, (work, gathered, width, _) in enumerate(gathers):
         work.wait()
