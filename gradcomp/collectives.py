@@ -541,21 +541,12 @@ def _decode_sum(
     """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same
     bits), in fp32: into ``out`` (fp32) if given, else a new tensor."""
     total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device) if out is None else out.zero_()
-    supports = []
     for buffer, meta in zip(buffers, metas, strict=True):
         layout = compressor.payload_layout(numel, dtype, meta)
         payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
         compressor.decompress(payload, out=total, accumulate=True)
-        supports.append(compressor.support(payload))
     if op == "avg":
-        if any(support is None for support in supports):
-            total /= len(buffers)
-        else:
-            # Sparse payloads: divide where the sum can be nonzero (elsewhere it is
-            # +0, which dividing keeps). Gather, then scatter: repeated indices
-            # write the same quotient, so the bits are those of dividing everywhere.
-            where = torch.cat(supports).long()
-            total[where] = total[where] / len(buffers)
+        total /= len(buffers)
     return total
 
 

@@ -115,8 +115,8 @@ def test_allgather_is_bit_exact_sum_of_local_decodings():
 
 
 def test_sparse_average_has_the_bits_of_dividing_everywhere():
-    """Averaging sparse payloads divides only at their indices; overlaps (one of them
-    cancelling to zero) and a world size that is not a power of two must not show."""
+    """The average of gathered sparse payloads, overlapping (one overlap cancelling to
+    zero) on a world size that is not a power of two, is the decoded sum divided."""
     numel, world_size = 5000, 3
     compressor = gradcomp.get_compressor("topk", k=50, exact=True)
     shared = torch.arange(0, 1000, 25)  # large on every rank: the same 40 indices

@@ -135,13 +135,6 @@ class Compressor:
         """The layout of a payload for ``numel`` elements (``meta`` as the payload's)."""
         raise NotImplementedError
 
-    def support(self, payload: Payload) -> torch.Tensor | None:
-        """Flat indices outside which ``decompress(payload)`` is zero (None: anywhere).
-
-        Lets a sum of decoded payloads be averaged where it can be nonzero only.
-        """
-        return None
-
     # ------------------------------------------------------------------ subclasses
     def _encode(self, flat: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         raise NotImplementedError

@@ -98,9 +98,6 @@ class TopK(Compressor):
             payload.tensors["indices"], payload.tensors["values"], payload.numel, out, accumulate
         )
 
-    def support(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors["indices"]
-
 
 class RandK(Compressor):
     """Keeps ``k`` elements chosen by a seed that every rank shares.
