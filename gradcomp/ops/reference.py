@@ -31,6 +31,7 @@ __all__ = [
     "cut_to_k",
     "feistel_permute",
     "sample_positions",
+    "sample_threshold",
     "selection_magnitude",
     "threshold_from_sample",
     "store_residual",
@@ -428,6 +429,18 @@ def threshold_from_sample(sample_magnitude: torch.Tensor, k: int, numel: int) ->
     return torch.topk(sample_magnitude, sample_k, sorted=False).values.min()
 
 
+def sample_threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int) -> torch.Tensor:
+    """The threshold of :func:`topk_select`'s sampling path, read from ``x`` and
+    ``residual`` at the sampled positions only (``x + residual`` is not formed)."""
+    x = x.reshape(-1)
+    picks = sample_positions(x.numel(), k, seed, x.device)
+    sample = x.float() if picks is None else x[picks].float()
+    if residual is not None:
+        residual = residual.reshape(-1)
+        sample = sample + (residual.float() if picks is None else residual[picks].float())
+    return threshold_from_sample(selection_magnitude(sample), k, x.numel())
+
+
 def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
     """|y| with NaN as inf: NaN must win a selection like inf does, not be dropped.
     (inf stays inf: nan_to_num's default would turn it into the largest float.)"""
@@ -472,16 +485,13 @@ def topk_select(
         y, pending = residual.view(-1), x.reshape(-1)
     else:
         y, pending = compensate(x, residual), None
-    picks = None if exact or k == numel else sample_positions(numel, k, seed, y.device)
-    if picks is None and pending is not None:
-        y += pending
-        pending = None
     if exact or k == numel:
+        if pending is not None:
+            y += pending
         indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     else:
-        # (x + r)[picks] has the bits of y[picks] once y is complete.
-        sample = y[picks] if pending is None else torch.add(pending[picks].float(), y[picks])
-        threshold = threshold_from_sample(selection_magnitude(sample), k, numel)
+        # Read before the residual is touched: the same bits as y's samples.
+        threshold = sample_threshold(x, residual, k, seed)
         indices = _reaching(y, threshold, pending)
         if indices.numel() > math.floor(1.1 * k):
             indices = cut_to_k(indices, selection_magnitude(y[indices]), k)

@@ -48,15 +48,6 @@ def randk_select(
     return values
 
 
-def _threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int) -> torch.Tensor:
-    # The same sample as the reference, read without materialising |x + residual|.
-    picks = reference.sample_positions(x.numel(), k, seed, x.device)
-    sample = x.float() if picks is None else x[picks].float()
-    if residual is not None:
-        sample = sample + (residual.float() if picks is None else residual[picks].float())
-    return reference.threshold_from_sample(reference.selection_magnitude(sample), k, x.numel()).reshape(1)
-
-
 def topk_select(
     x: torch.Tensor,
     k: int,
@@ -77,7 +68,8 @@ def topk_select(
     options = {"seed": seed, "index_dtype": index_dtype, "value_dtype": value_dtype}
     if exact or k == numel:
         return reference.topk_select(x, k, residual, True, **options)
-    values, indices = kernels.select_candidates(x, residual, _threshold(x, residual, k, seed))
+    threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
+    values, indices = kernels.select_candidates(x, residual, threshold)
     if values.numel() < math.ceil(0.9 * k):
         # Rare: the sample misjudged the threshold. Rebuild y (the compaction
         # left it in the residual, candidates aside) and take the exact path.
