@@ -18,10 +18,10 @@ cannot promise that: callbacks run in completion order, which differs
 between ranks. The clone keeps these collectives apart from whatever the
 caller's thread issues on the group meanwhile.
 
-Overlap. A job may pause once, while its last exchange is in flight (the
-all-gather of sparse payloads): if the next job is already queued, the
-worker starts it (compressing it overlaps the transfer) and then finishes
-the paused one. Jobs still start, issue their collectives and finish in
+Overlap. An all-gather job pauses once its last collective is issued: if
+the next job is already queued and writes into other storage, the worker
+starts it (compressing it overlaps the transfer) and then finishes the
+paused one. Collectives are still issued, and futures completed, in
 submission order; a job with nothing queued behind it finishes at once.
 
 Agreement. The first time a (compressor settings, numel, dtype, algorithm,
