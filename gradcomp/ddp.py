@@ -26,6 +26,7 @@ How the hook keeps a training run safe:
 """
 
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -259,7 +260,8 @@ class HookState:
 
     # ------------------------------------------------------------------ reduction (worker thread)
     def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout, step: int, last: bool, q):
-        """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce ``tensor`` in place."""
+        """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce ``tensor`` in
+        place; their result is ``tensor``."""
         self._adopt_layout(index, layout, tensor)
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         job = Job(
@@ -278,6 +280,7 @@ class HookState:
         if last:
             self.stats.append(self._open_stats.pop(step))
             del self.stats[: max(0, len(self.stats) - self.history)]
+        return tensor
 
     def _reduce_held(self, step: int, q) -> None:
         """Reduce the held buckets regrouped into the restored layout, then write them back."""
@@ -329,18 +332,9 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             q.submit(lambda: _finish_held(state, step, q), buffer.device)
         return future
     state._restored_layouts = None
-
-    def steps():
-        return _returning(state._reduce(buffer, index, layout, step, last, q), buffer)
-
+    steps = functools.partial(state._reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer)
     return future.then(_value)
-
-
-def _returning(steps, value):
-    """``steps``, then ``value`` as their result."""
-    yield from steps
-    return value
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:
