@@ -220,10 +220,13 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
         submit(_paused_job("B", events)),
         submit(lambda: events.append("C") or "C"),
     ]
-    for future in futures:
-        future.add_done_callback(lambda done: completed.append(done.value()))
+    # Callbacks run as each future completes; waiting on their own futures
+    # (not on the jobs') makes sure every one has run before the check.
+    noted = [future.then(lambda done: completed.append(done.value())) for future in futures]
     gate.set()
     assert [future.wait() for future in futures] == ["A", "B", "C"]
+    for future in noted:
+        future.wait()
     # Each paused job finishes after the next one started; futures complete in order.
     assert events == ["A start", "B start", "A finish", "C", "B finish"]
     assert completed == ["A", "B", "C"]
