@@ -538,14 +538,20 @@ def _decode_sum(
     op: str,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of the payloads in ``buffers`` (rank order, so every rank gets the same
-    bits), in fp32: into ``out`` (fp32) if given, else a new tensor."""
+    """Sum (or mean) of the payloads in ``buffers`` (rank order, so every rank gets
+    the same bits), in fp32: into ``out`` (fp32) if given, else a new tensor.
+
+    A sparse compressor's mean divides each payload's values before they are
+    added (as the dense algorithm divides before its reduction), instead of
+    a pass over the whole sum; others divide the sum."""
     total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device) if out is None else out.zero_()
+    divide_payloads = op == "avg" and compressor.sparse
+    divisor = len(buffers) if divide_payloads else 1
     for buffer, meta in zip(buffers, metas, strict=True):
         layout = compressor.payload_layout(numel, dtype, meta)
         payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
-        compressor.decompress(payload, out=total, accumulate=True)
-    if op == "avg":
+        compressor.decompress(payload, out=total, accumulate=True, divisor=divisor)
+    if op == "avg" and not divide_payloads:
         total /= len(buffers)
     return total
 

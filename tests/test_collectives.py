@@ -14,6 +14,8 @@ import gradcomp
 from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm
 from gradcomp.compressors import Context
 
+EPS32 = torch.finfo(torch.float32).eps
+
 SIZES = (1, 1000, 4097)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative error of the averaged result against the exact average, per
@@ -101,10 +103,12 @@ def _allgather_equals_local_decoding(rank: int, world_size: int) -> None:
         x = _input(rank, 3001, torch.float32, salt=7)
         everyone = gather(x)
         expected = torch.zeros(3001)
+        # Sparse payloads are averaged by dividing their values, others by dividing the sum.
+        divisor = world_size if compressor.sparse else 1
         for r, tensor in enumerate(everyone):
             payload = compressor.compress(tensor, Context(step=0, key=99, rank=r))
-            compressor.decompress(payload, out=expected, accumulate=True)
-        expected /= world_size
+            compressor.decompress(payload, out=expected, accumulate=True, divisor=divisor)
+        expected /= world_size // divisor
         result = x.clone()
         gradcomp.all_reduce(result, compressor, algorithm="allgather", feedback=False, name=99, step=0)
         assert torch.equal(result, expected), name
@@ -114,30 +118,55 @@ def test_allgather_is_bit_exact_sum_of_local_decodings():
     run_ranks(_allgather_equals_local_decoding, 3)
 
 
-def test_sparse_average_has_the_bits_of_dividing_everywhere():
-    """The average of gathered sparse payloads, overlapping (one overlap cancelling to
-    zero) on a world size that is not a power of two, is the decoded sum divided."""
-    numel, world_size = 5000, 3
+def _sparse_payloads(world_size: int, numel: int = 5000):
+    """Exact Top-K payloads of ``world_size`` ranks: 40 indices large (10 to 14)
+    on every rank, and index 17 where the first two ranks send +50 and -50."""
     compressor = gradcomp.get_compressor("topk", k=50, exact=True)
-    shared = torch.arange(0, 1000, 25)  # large on every rank: the same 40 indices
-    buffers, metas = [], []
+    shared = torch.arange(0, 1000, 25)
+    payloads = []
     for rank in range(world_size):
         x = _input(rank, numel, torch.float32, salt=11)
-        x[shared] = 10.0 + rank / 3
-        x[17] = (1 - 2 * (rank % 2)) * 50.0 if rank < 2 else 0.0  # +50, -50: sums to 0
+        x[shared] = 10.0 + x[shared].abs()
+        x[17] = (1 - 2 * (rank % 2)) * 50.0 if rank < 2 else 0.0
         payload = compressor.compress(x, Context(step=0, key=1, rank=rank))
-        assert {17, *shared.tolist()} <= set(payload.tensors["indices"].tolist()) or rank == 2
-        buffers.append(payload.to_buffer())
-        metas.append(payload.meta)
+        assert {17, *shared.tolist()} <= set(payload.tensors["indices"].tolist()) or rank >= 2
+        payloads.append(payload)
+    buffers = [payload.to_buffer() for payload in payloads]
+    metas = [payload.meta for payload in payloads]
+    return compressor, payloads, buffers, metas
+
+
+def test_sparse_average_divides_each_payloads_values():
+    """Averaging gathered sparse payloads (overlapping, one overlap cancelling to
+    zero, world size not a power of two) adds each rank's values divided by the
+    world size, in rank order; within an ulp of dividing the sum."""
+    numel, world_size = 5000, 3
+    compressor, payloads, buffers, metas = _sparse_payloads(world_size, numel)
     got = gradcomp.collectives._decode_sum(compressor, buffers, metas, numel, torch.float32, "avg")
-    expected = torch.zeros(numel)
-    for buffer, meta in zip(buffers, metas, strict=True):
-        layout = compressor.payload_layout(numel, torch.float32, meta)
-        payload = gradcomp.Payload.from_buffer(buffer, layout, torch.Size([numel]), torch.float32, meta)
-        compressor.decompress(payload, out=expected, accumulate=True)
-    expected /= world_size
+    expected, summed = torch.zeros(numel), torch.zeros(numel)
+    for payload in payloads:
+        indices, values = payload.tensors["indices"].long(), payload.tensors["values"]
+        expected.index_add_(0, indices, values / world_size)
+        summed.index_add_(0, indices, values)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
     assert (got != 0).sum() >= 60 and got[17].item() == 0.0
+    assert not torch.equal(got, summed / world_size)  # the rounding differs somewhere
+    torch.testing.assert_close(got, summed / world_size, rtol=EPS32, atol=0.0)
+    total = gradcomp.collectives._decode_sum(compressor, buffers, metas, numel, torch.float32, "sum")
+    assert torch.equal(total, summed)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sparse_average_on_a_power_of_two_is_the_sum_divided(world_size):
+    # Dividing by a power of two is exact, so the values' division gives the
+    # same bits as dividing the sum.
+    numel = 5000
+    compressor, payloads, buffers, metas = _sparse_payloads(world_size, numel)
+    got = gradcomp.collectives._decode_sum(compressor, buffers, metas, numel, torch.float32, "avg")
+    summed = torch.zeros(numel)
+    for payload in payloads:
+        summed.index_add_(0, payload.tensors["indices"].long(), payload.tensors["values"])
+    assert torch.equal(got.view(torch.int32), (summed / world_size).view(torch.int32))
 
 
 def _feedback_loses_nothing(rank: int, world_size: int) -> None:

@@ -493,3 +493,35 @@ def test_decompress_out_overwrites_and_accumulates(variant):
         compressor.decompress(payload, out=torch.zeros(31 * 33 - 1))
     with pytest.raises(ValueError):
         compressor.decompress(payload, accumulate=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("divisor", [2, 3])
+def test_decompress_divisor_divides_before_rounding(variant, dtype, divisor):
+    # payload / divisor: the fp32 decoding divided, then rounded once to the
+    # payload's dtype (or added into an fp32 out).
+    name, options = variant
+    compressor = get_compressor(name, **options)
+    x = seeded_randn((31, 33), seed=21, dtype=dtype)
+    payload = compressor.compress(x, Context(step=3))
+    decoded32 = compressor.decompress(payload, out=torch.zeros(31 * 33))
+    expected = decoded32 / divisor
+    got = compressor.decompress(payload, divisor=divisor)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.view(-1), expected.to(dtype))
+    base = seeded_randn(31 * 33, seed=22)
+    out = base.clone()
+    assert compressor.decompress(payload, out=out, accumulate=True, divisor=divisor) is out
+    assert torch.equal(out, base + expected)
+    out = torch.full((31 * 33,), 5.0)
+    compressor.decompress(payload, out=out, divisor=divisor)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("divisor", [0, -2, 1.5, True])
+def test_decompress_bad_divisor_raises(divisor):
+    compressor = get_compressor("topk")
+    payload = compressor.compress(seeded_randn(1000, seed=1))
+    with pytest.raises(ValueError, match="divisor"):
+        compressor.decompress(payload, divisor=divisor)

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from gradcomp.ops.reference import write_out
 from gradcomp.payload import Layout, Payload
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -113,23 +114,35 @@ class Compressor:
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 
     def decompress(
-        self, payload: Payload, out: torch.Tensor | None = None, accumulate: bool = False
+        self,
+        payload: Payload,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        *,
+        divisor: int = 1,
     ) -> torch.Tensor:
         """Decode ``payload`` into a tensor of its shape and dtype.
 
         Args:
             out: write into this tensor (same numel) instead of a new one.
             accumulate: add into ``out`` instead of overwriting it.
+            divisor: decode ``payload / divisor``, divided before it is
+                rounded to the output's dtype or added into ``out``. Sparse
+                compressors divide only the values they carry, so averaging
+                gathered payloads costs no pass over the whole output.
         """
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=")
         if out is not None and out.numel() != payload.numel:
             raise ValueError(f"out has {out.numel()} elements, payload encodes {payload.numel}")
-        if out is None:
-            decoded = self._decode(payload, None, False)
-            return decoded.to(payload.dtype).view(payload.shape)
-        self._decode(payload, out.view(-1), accumulate)
-        return out
+        if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+            raise ValueError(f"divisor must be a positive integer, got {divisor!r}")
+        flat = None if out is None else out.view(-1)
+        if divisor == 1:
+            decoded = self._decode(payload, flat, accumulate)
+        else:
+            decoded = self._decode_divided(payload, flat, accumulate, divisor)
+        return decoded.to(payload.dtype).view(payload.shape) if out is None else out
 
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
         """The layout of a payload for ``numel`` elements (``meta`` as the payload's)."""
@@ -141,6 +154,15 @@ class Compressor:
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         raise NotImplementedError
+
+    def _decode_divided(
+        self, payload: Payload, out: torch.Tensor | None, accumulate: bool, divisor: int
+    ) -> torch.Tensor:
+        """``_decode`` of ``payload / divisor``; by default through a whole
+        decoded temporary (sparse compressors divide their values instead)."""
+        decoded = self._decode(payload, None, False)
+        decoded = decoded.to(torch.promote_types(decoded.dtype, torch.float32)).div_(divisor)
+        return write_out(decoded, out, accumulate)
 
     def _private_seed(self, ctx: Context) -> int:
         return mix_seed(self.seed, ctx.step, ctx.key, ctx.rank + 1)

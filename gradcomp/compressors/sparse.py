@@ -25,7 +25,9 @@ def _check_ratio_k(ratio, k) -> tuple[float | None, int | None]:
     return float(ratio), None
 
 
-def _decode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, out, accumulate):
+def _decode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, out, accumulate, divisor=1):
+    if divisor != 1:
+        values = values.to(torch.promote_types(values.dtype, torch.float32)) / divisor
     if out is None:
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     elif not accumulate:
@@ -94,9 +96,11 @@ class TopK(Compressor):
         return {"indices": indices, "values": values}, {"k": values.numel()}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
-        return _decode_sparse(
-            payload.tensors["indices"], payload.tensors["values"], payload.numel, out, accumulate
-        )
+        return self._decode_divided(payload, out, accumulate, 1)
+
+    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
+        tensors = payload.tensors
+        return _decode_sparse(tensors["indices"], tensors["values"], payload.numel, out, accumulate, divisor)
 
 
 class RandK(Compressor):
@@ -147,8 +151,11 @@ class RandK(Compressor):
         return {"values": values}, {"k": k, "seed": seed}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        return self._decode_divided(payload, out, accumulate, 1)
+
+    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
         values = payload.tensors["values"]
         indices = reference.randk_indices(
             payload.numel, payload.meta["k"], payload.meta["seed"], values.device
         )
-        return _decode_sparse(indices, values, payload.numel, out, accumulate)
+        return _decode_sparse(indices, values, payload.numel, out, accumulate, divisor)
