@@ -481,6 +481,41 @@ def test_topk_approximate_is_a_threshold_selection(numel, ratio, seed):
     assert values.abs().min() >= x[unselected].abs().max()
 
 
+def misjudge_first_threshold(monkeypatch, k: int, factor: float) -> None:
+    """Make the sampled threshold for ``k`` (not the rescan's) ``factor`` times too high."""
+    original = reference.threshold_from_sample
+
+    def misjudged(sample, wanted, numel):
+        return original(sample, wanted, numel) * (factor if wanted == k else 1.0)
+
+    monkeypatch.setattr(reference, "threshold_from_sample", misjudged)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_topk_too_few_candidates_select_again_lower(monkeypatch, with_residual):
+    # A threshold that selects far fewer than 0.9 k is followed by a second
+    # pass at the same sample's RESCAN_REACH threshold (about 1.25 k reach it),
+    # cut to the k largest: the exact top-k, without the exact path's sort.
+    numel, k = 200_000, 2_000
+    x = seeded_randn(numel, seed=71)
+    residual = seeded_randn(numel, seed=72) * 0.3 if with_residual else None
+    expected_residual = None if residual is None else residual.clone()
+    expected = reference.topk_select(x, k, expected_residual, exact=True)
+    misjudge_first_threshold(monkeypatch, k, 1.5)
+    passes, whole = [], []
+    reaching, magnitude = reference._reaching, reference.selection_magnitude
+    monkeypatch.setattr(reference, "_reaching", lambda *a: passes.append(a[1]) or reaching(*a))
+    monkeypatch.setattr(
+        reference, "selection_magnitude", lambda y: whole.append(y.numel() == numel) or magnitude(y)
+    )
+    values, indices = reference.topk_select(x, k, residual, seed=5)
+    assert len(passes) == 2 and passes[1] < passes[0] and not any(whole)
+    order = expected[1].argsort()
+    assert torch.equal(indices, expected[1][order]) and torch.equal(values, expected[0][order])
+    if residual is not None:
+        assert torch.equal(residual, expected_residual)
+
+
 @pytest.mark.parametrize("numel, k", [(1023, 100), (50_000, 500)])
 def test_topk_approximate_with_ties_keeps_the_count_bound(numel, k):
     """Tied magnitudes put every element over the threshold; the count must still be near k."""

@@ -71,13 +71,14 @@ def topk_select(
     threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
     values, indices = kernels.select_candidates(x, residual, threshold)
     if values.numel() < math.ceil(0.9 * k):
-        # Rare: the sample misjudged the threshold. Rebuild y (the compaction
-        # left it in the residual, candidates aside) and take the exact path.
-        y = (x if residual is None else residual).to(torch.float32, copy=True)
-        y[indices] = values
-        if residual is not None:
-            residual.zero_()
-        return reference.topk_select(y, k, residual, True, **options)
+        # Rare: the sample misjudged the threshold. As the reference does,
+        # select again at a lower threshold from the same sample, then
+        # take the exact path.
+        y = _rebuild(x, residual, values, indices)
+        lower = reference.sample_threshold(y, None, k, seed, reach=reference.RESCAN_REACH)
+        values, indices = kernels.select_candidates(y, residual, lower.reshape(1))
+        if values.numel() < math.ceil(0.9 * k):
+            return reference.topk_select(_rebuild(y, residual, values, indices), k, residual, True, **options)
     if values.numel() > math.floor(1.1 * k):
         keep = torch.topk(reference.selection_magnitude(values), k, sorted=False).indices.sort().values
         if residual is not None:
@@ -89,6 +90,16 @@ def topk_select(
     if residual is not None:
         residual[indices] = (values - sent.float()).nan_to_num(0.0, 0.0, 0.0).to(residual.dtype)
     return sent, indices.to(index_dtype or reference.index_dtype_for(numel))
+
+
+def _rebuild(x, residual, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``x + residual`` (fp32) after a selection, which left it in the residual
+    with the candidates aside (or left ``x`` alone); the residual is zeroed."""
+    y = (x if residual is None else residual).to(torch.float32, copy=True)
+    y[indices] = values
+    if residual is not None:
+        residual.zero_()
+    return y
 
 
 FUNCTIONS = {
