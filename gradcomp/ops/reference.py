@@ -94,9 +94,14 @@ def _compensate_in_residual(x: torch.Tensor, residual: torch.Tensor | None) -> t
 
 
 def store_residual(
-    residual: torch.Tensor | None, y: torch.Tensor, decoded: torch.Tensor, scratch: torch.Tensor | None = None
+    residual: torch.Tensor | None,
+    y: torch.Tensor,
+    decoded: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    finite: bool = False,
 ) -> None:
-    """``residual <- y - decoded``, non-finite entries zeroed.
+    """``residual <- y - decoded``, non-finite entries zeroed (a pass skipped
+    when the caller knows the difference ``finite``).
 
     Written straight into an fp32 residual; any other residual dtype gets the
     fp32 error through ``scratch`` (default ``y``), which is overwritten.
@@ -105,7 +110,9 @@ def store_residual(
         return
     flat = residual.view(-1)
     target = flat if flat.dtype == torch.float32 else (y if scratch is None else scratch)
-    torch.sub(y, decoded, out=target).nan_to_num_(0.0, 0.0, 0.0)
+    torch.sub(y, decoded, out=target)
+    if not finite:
+        target.nan_to_num_(0.0, 0.0, 0.0)
     if target is not flat:
         flat.copy_(target)
 
@@ -258,7 +265,15 @@ def _quantize_part(
         level.floor_()
     else:
         level.round_()
-    level.nan_to_num_(0.0, 0.0, 0.0).clamp_(-levels, levels)
+    # Every scale finite, and far enough below the largest float that
+    # level * scale cannot round past it: every element is finite, and so are
+    # the levels, the decoded values and the error (a level never has the
+    # opposite sign of its element), so two nan_to_num passes go. The flag
+    # is free to read on CPU. (amax propagates NaN.)
+    finite = y.device.type == "cpu" and bool(torch.isfinite(scales.amax() * (2 * levels)))
+    if not finite:
+        level.nan_to_num_(0.0, 0.0, 0.0)
+    level.clamp_(-levels, levels)
     # Codes level + levels, made in bytes: levels <= 127 fits int8 exactly and
     # the uint8 add wraps the negative ones into place.
     if bits == 8:
@@ -270,7 +285,7 @@ def _quantize_part(
     if residual is not None:
         # In place (fresh buffers cost page faults): level becomes the decoded value.
         decoded = level.mul_(scales.unsqueeze(1)).view(-1)[:numel]
-        store_residual(residual, blocks.view(-1)[:numel], decoded, scratch=decoded)
+        store_residual(residual, blocks.view(-1)[:numel], decoded, scratch=decoded, finite=finite)
 
 
 def dequantize_blockwise(
@@ -381,7 +396,9 @@ def sign_compress(
         if part_residual is not None:
             signs = positive.to(torch.float32).mul_(2).sub_(1)
             decoded = signs.mul_(part_scales.unsqueeze(1)).view(-1)[:part]
-            store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded)
+            # As in quantization: finite scales, finite error (same signs).
+            finite = x.device.type == "cpu" and bool(torch.isfinite(part_scales).all())
+            store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded, finite=finite)
     return packed, scales
 
 
