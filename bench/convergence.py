@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--width", type=int, default=256, help="hidden units per layer (default 256)")
     top.add_argument("--lr", type=float, default=0.01, help="peak SGD learning rate (default 0.01)")
+    top.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     top.add_argument("--weight-decay", type=float, default=1e-3, help="SGD weight decay (default 1e-3)")
     top.add_argument("--seed", type=int, default=0, help="model, split and shuffling seed (default 0)")
     common.add_common_options(top)
@@ -95,7 +96,10 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         options = {**run["options"], "feedback": run["feedback"]}
         state = gradcomp.ddp.register(model, run["name"], min_numel=0, measure_error=False, **options)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=settings["lr"], momentum=0.9, weight_decay=settings["weight_decay"]
+        model.parameters(),
+        lr=settings["lr"],
+        momentum=settings["momentum"],
+        weight_decay=settings["weight_decay"],
     )
     batch = settings["batch_size"]
     steps_per_epoch = len(x) // batch
@@ -229,7 +233,8 @@ def describe(settings: dict, records: list[dict]) -> str:
     return (
         f"MLP 64-{settings['width']}-{settings['width']}-10, digits 1347 train / 450 test, "
         f"{settings['epochs']} epochs = {records[0]['steps']} steps, global batch {settings['batch_size']}, "
-        f"SGD lr {settings['lr']} (cosine to 0) momentum 0.9 weight decay {settings['weight_decay']}, "
+        f"SGD lr {settings['lr']} (cosine to 0) momentum {settings['momentum']} "
+        f"weight decay {settings['weight_decay']}, "
         f"seed {settings['seed']}; train loss: cross-entropy on the whole training set after training"
     )
 
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(error))
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:
         parser().error("need --epochs >= 1, --spawn >= 2 and --batch-size >= --spawn")
+    if not 0 <= args.momentum < 1:
+        parser().error("need 0 <= --momentum < 1")
     settings = vars(args)
     results = common.Results("convergence", common.machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
