@@ -511,22 +511,27 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
 
 
 def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
-    # Divide before the reduction (not after) so 16-bit sums cannot overflow;
-    # in place, since the result overwrites the tensor anyway. The residual
-    # stays in the input's units, as in the other algorithms.
+    # A mean divides before the reduction, so that 16-bit sums cannot
+    # overflow: the tensor in place (the result overwrites it anyway) and the
+    # residual there and back, which stays in the input's units. Sparse
+    # payloads of fp32 or fp64 sums divide their k values when decoded
+    # instead: three passes over the tensor fewer, and the residual exact.
     divide = q.world_size if job.op == "avg" else 1
-    source = flat.div_(divide) if divide > 1 else flat
+    later = job.compressor.sparse and flat.dtype in (torch.float32, torch.float64)
+    before = 1 if later else divide
     residual = _residual(job, job.key, flat)
-    if residual is not None and divide > 1:
-        residual.div_(divide)
-    payload = _compress_measured(job, source, residual, job.key, q.rank, stats)
-    if residual is not None and divide > 1:
-        residual.mul_(divide)
+    if before > 1:
+        flat.div_(before)
+        if residual is not None:
+            residual.div_(before)
+    payload = _compress_measured(job, flat, residual, job.key, q.rank, stats)
+    if residual is not None and before > 1:
+        residual.mul_(before)
     for wire in payload.tensors.values():
         dist.all_reduce(wire, group=q.group)
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
     with _Timer(stats):
-        job.compressor.decompress(payload, out=flat)
+        job.compressor.decompress(payload, out=flat, divisor=divide // before)
 
 
 def _decode_sum(

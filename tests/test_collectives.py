@@ -169,6 +169,43 @@ def test_sparse_average_on_a_power_of_two_is_the_sum_divided(world_size):
     assert torch.equal(got.view(torch.int32), (summed / world_size).view(torch.int32))
 
 
+def _randk_dense_mean(rank: int, world_size: int) -> None:
+    # fp32: the k summed values are divided when decoded, and the residual is
+    # y = x + old residual off the picks, 0 on them, bit for bit (no divide
+    # and multiply round trip). fp16 inputs still divide before the sum.
+    numel, k = 5000, 60
+    compressor = gradcomp.get_compressor("randk", k=k)
+    for dtype in (torch.float32, torch.float16):
+        memory = gradcomp.ErrorFeedback()
+        key = gradcomp.collectives.key_of("g")
+        for step in range(2):
+            x = _input(rank, numel, dtype, salt=31 + step)
+            before = memory.get(key).clone() if key in memory.keys() else torch.zeros(numel)
+            result = x.clone()
+            gradcomp.all_reduce(result, compressor, feedback=memory, name="g", step=step)
+            seed = compressor._shared_seed(Context(step=step, key=key))
+            picks = gradcomp.ops.reference.randk_indices(numel, k, seed)
+            off = torch.ones(numel, dtype=torch.bool)
+            off[picks] = False
+            if dtype == torch.float32:
+                y = x + before
+                summed = y[picks]  # a fresh tensor, summed as the payload was
+                dist.all_reduce(summed)
+                expected = torch.zeros(numel)
+                expected[picks] = summed / world_size
+                assert torch.equal(result, expected)
+                kept = memory.get(key)
+                assert torch.equal(kept[off], y[off]) and not kept[picks].any()
+            else:
+                summed = ((x / world_size).float() + before / world_size)[picks].half()
+                dist.all_reduce(summed)
+                assert torch.equal(result[picks], summed) and not result[off].any()
+
+
+def test_randk_dense_mean_divides_summed_values_and_keeps_an_exact_residual():
+    run_ranks(_randk_dense_mean, 3)
+
+
 def _feedback_loses_nothing(rank: int, world_size: int) -> None:
     # Sum over ranks of what went in (input + old residuals) equals what came
     # out (W * average) plus what stayed behind (new residuals), for every
