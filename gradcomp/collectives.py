@@ -510,28 +510,33 @@ def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
         job.compressor.decompress(payload, out=flat)
 
 
+def _divides_values(compressor: Compressor, sum_dtype: torch.dtype) -> bool:
+    """Whether a mean divides each decoded payload's values (sparse payloads
+    summed in fp32 or fp64: k values, no pass over the tensor) rather than
+    the tensor; 16-bit sums are divided before, so that they cannot overflow."""
+    return compressor.sparse and sum_dtype in (torch.float32, torch.float64)
+
+
 def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
-    # A mean divides before the reduction, so that 16-bit sums cannot
-    # overflow: the tensor in place (the result overwrites it anyway) and the
-    # residual there and back, which stays in the input's units. Sparse
-    # payloads of fp32 or fp64 sums divide their k values when decoded
-    # instead: three passes over the tensor fewer, and the residual exact.
+    # Where the mean is not taken when decoding, it is taken before the
+    # reduction: the tensor in place (the result overwrites it anyway) and
+    # the residual there and back, which stays in the input's units.
     divide = q.world_size if job.op == "avg" else 1
-    later = job.compressor.sparse and flat.dtype in (torch.float32, torch.float64)
-    before = 1 if later else divide
+    at_decode = _divides_values(job.compressor, flat.dtype)
     residual = _residual(job, job.key, flat)
-    if before > 1:
-        flat.div_(before)
+    first = 1 if at_decode else divide
+    if first > 1:
+        flat.div_(first)
         if residual is not None:
-            residual.div_(before)
+            residual.div_(first)
     payload = _compress_measured(job, flat, residual, job.key, q.rank, stats)
-    if residual is not None and before > 1:
-        residual.mul_(before)
+    if residual is not None and first > 1:
+        residual.mul_(first)
     for wire in payload.tensors.values():
         dist.all_reduce(wire, group=q.group)
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
     with _Timer(stats):
-        job.compressor.decompress(payload, out=flat, divisor=divide // before)
+        job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
 
 
 def _decode_sum(
@@ -546,18 +551,17 @@ def _decode_sum(
     """Sum (or mean) of the payloads in ``buffers`` (rank order, so every rank gets
     the same bits), in fp32: into ``out`` (fp32) if given, else a new tensor.
 
-    A sparse compressor's mean divides each payload's values before they are
-    added (as the dense algorithm divides before its reduction), instead of
-    a pass over the whole sum; others divide the sum."""
+    A mean divides each sparse payload's values before they are added (see
+    :func:`_divides_values`), the sum of any other."""
     total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device) if out is None else out.zero_()
-    divide_payloads = op == "avg" and compressor.sparse
-    divisor = len(buffers) if divide_payloads else 1
+    divide = len(buffers) if op == "avg" else 1
+    at_decode = _divides_values(compressor, total.dtype)
     for buffer, meta in zip(buffers, metas, strict=True):
         layout = compressor.payload_layout(numel, dtype, meta)
         payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
-        compressor.decompress(payload, out=total, accumulate=True, divisor=divisor)
-    if op == "avg" and not divide_payloads:
-        total /= len(buffers)
+        compressor.decompress(payload, out=total, accumulate=True, divisor=divide if at_decode else 1)
+    if divide > 1 and not at_decode:
+        total /= divide
     return total
 
 
