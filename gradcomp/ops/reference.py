@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "code_bits",
+    "count_band",
     "cut_to_k",
     "feistel_permute",
     "sample_positions",
@@ -115,6 +116,12 @@ def store_residual(
         target.nan_to_num_(0.0, 0.0, 0.0)
     if target is not flat:
         flat.copy_(target)
+
+
+def _read_on_cpu(flag: torch.Tensor) -> bool:
+    """``bool(flag)`` on CPU, where reading it costs nothing; False on other
+    devices, where it would be a host sync (callers then take the safe path)."""
+    return flag.device.type == "cpu" and bool(flag)
 
 
 def _blocks(y: torch.Tensor, block: int) -> torch.Tensor:
@@ -268,9 +275,9 @@ def _quantize_part(
     # Every scale finite, and far enough below the largest float that
     # level * scale cannot round past it: every element is finite, and so are
     # the levels, the decoded values and the error (a level never has the
-    # opposite sign of its element), so two nan_to_num passes go. The flag
-    # is free to read on CPU. (amax propagates NaN.)
-    finite = y.device.type == "cpu" and bool(torch.isfinite(scales.amax() * (2 * levels)))
+    # opposite sign of its element), so two nan_to_num passes go. (amax
+    # propagates NaN.)
+    finite = _read_on_cpu(torch.isfinite(scales.amax() * (2 * levels)))
     if not finite:
         level.nan_to_num_(0.0, 0.0, 0.0)
     level.clamp_(-levels, levels)
@@ -397,7 +404,7 @@ def sign_compress(
             signs = positive.to(torch.float32).mul_(2).sub_(1)
             decoded = signs.mul_(part_scales.unsqueeze(1)).view(-1)[:part]
             # As in quantization: finite scales, finite error (same signs).
-            finite = x.device.type == "cpu" and bool(torch.isfinite(part_scales).all())
+            finite = _read_on_cpu(torch.isfinite(part_scales).all())
             store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded, finite=finite)
     return packed, scales
 
@@ -434,6 +441,11 @@ def sign_decompress(
 # core) is left for inputs a sample cannot judge.
 SAMPLE_HITS = 800
 RESCAN_REACH = 1.25
+
+
+def count_band(k: int) -> tuple[int, int]:
+    """How many entries the sampling Top-K path may keep: ``0.9 k`` to ``1.1 k``."""
+    return math.ceil(0.9 * k), math.floor(1.1 * k)
 
 
 def sample_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor | None:
@@ -524,14 +536,15 @@ def topk_select(
         indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     else:
         # Read before the residual is touched: the same bits as y's samples.
+        fewest, most = count_band(k)
         threshold = sample_threshold(x, residual, k, seed)
         indices = _reaching(y, threshold, pending)
-        if indices.numel() < math.ceil(0.9 * k):
+        if indices.numel() < fewest:
             # Rare. y is formed now; its samples have the bits the first threshold read.
             indices = _reaching(y, sample_threshold(y, None, k, seed, reach=RESCAN_REACH))
-        if indices.numel() > math.floor(1.1 * k):
+        if indices.numel() > most:
             indices = cut_to_k(indices, selection_magnitude(y[indices]), k)
-        elif indices.numel() < math.ceil(0.9 * k):
+        elif indices.numel() < fewest:
             indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
     picked = y[indices]
     values = picked.to(value_dtype)
@@ -693,8 +706,8 @@ def randk_select(
     finite = torch.isfinite(torch.stack(torch.aminmax(y))).all()
     scaled[:1] += torch.where(finite, 0.0, math.nan)
     values = scaled.to(value_dtype)
-    # On CPU the flag costs nothing to read, and saves the nan_to_num pass.
-    clean = residual is not None and y.device.type == "cpu" and bool(finite)
+    # Known finite: the residual's nan_to_num pass goes.
+    clean = residual is not None and _read_on_cpu(finite)
     _keep_unsent(residual, y, indices, picked - values.float(), finite=clean)
     return values
 

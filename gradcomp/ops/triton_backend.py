@@ -68,18 +68,19 @@ def topk_select(
     options = {"seed": seed, "index_dtype": index_dtype, "value_dtype": value_dtype}
     if exact or k == numel:
         return reference.topk_select(x, k, residual, True, **options)
+    fewest, most = reference.count_band(k)
     threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
     values, indices = kernels.select_candidates(x, residual, threshold)
-    if values.numel() < math.ceil(0.9 * k):
+    if values.numel() < fewest:
         # Rare: the sample misjudged the threshold. As the reference does,
         # select again at a lower threshold from the same sample, then
         # take the exact path.
         y = _rebuild(x, residual, values, indices)
         lower = reference.sample_threshold(y, None, k, seed, reach=reference.RESCAN_REACH)
         values, indices = kernels.select_candidates(y, residual, lower.reshape(1))
-        if values.numel() < math.ceil(0.9 * k):
+        if values.numel() < fewest:
             return reference.topk_select(_rebuild(y, residual, values, indices), k, residual, True, **options)
-    if values.numel() > math.floor(1.1 * k):
+    if values.numel() > most:
         keep = torch.topk(reference.selection_magnitude(values), k, sorted=False).indices.sort().values
         if residual is not None:
             dropped = torch.ones(values.numel(), dtype=torch.bool, device=x.device)
