@@ -182,8 +182,7 @@ def target(record: dict) -> str:
 
 def format_report(records: list[dict]) -> str:
     header = ["run", "bytes/step", "ratio", "step ms", "train loss", "vs dense", "test acc", "test loss"]
-    header.append("|w|^2")
-    header.append(f"target: loss within {100 * TOLERANCE:g}% of dense")
+    header += ["|w|^2", f"target: loss within {100 * TOLERANCE:g}% of dense"]
     rows = [
         [
             r["run"],

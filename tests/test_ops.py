@@ -495,18 +495,8 @@ def test_topk_approximate_is_a_threshold_selection(numel, ratio, seed):
     assert values.abs().min() >= x[unselected].abs().max()
 
 
-def misjudge_first_threshold(monkeypatch, k: int, factor: float) -> None:
-    """Make the sampled threshold for ``k`` (not the rescan's) ``factor`` times too high."""
-    original = reference.threshold_from_sample
-
-    def misjudged(sample, wanted, numel):
-        return original(sample, wanted, numel) * (factor if wanted == k else 1.0)
-
-    monkeypatch.setattr(reference, "threshold_from_sample", misjudged)
-
-
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_topk_too_few_candidates_select_again_lower(monkeypatch, with_residual):
+def test_topk_too_few_candidates_select_again_lower(monkeypatch, misjudge_threshold, with_residual):
     # A threshold that selects far fewer than 0.9 k is followed by a second
     # pass at the same sample's RESCAN_REACH threshold (about 1.25 k reach it),
     # cut to the k largest: the exact top-k, without the exact path's sort.
@@ -515,7 +505,7 @@ def test_topk_too_few_candidates_select_again_lower(monkeypatch, with_residual):
     residual = seeded_randn(numel, seed=72) * 0.3 if with_residual else None
     expected_residual = None if residual is None else residual.clone()
     expected = reference.topk_select(x, k, expected_residual, exact=True)
-    misjudge_first_threshold(monkeypatch, k, 1.5)
+    misjudge_threshold(k, 1.5)
     passes, whole = [], []
     reaching, magnitude = reference._reaching, reference.selection_magnitude
     monkeypatch.setattr(reference, "_reaching", lambda *a: passes.append(a[1]) or reaching(*a))

@@ -261,18 +261,13 @@ def test_topk_ties_take_the_cut_path():
     assert_same(expected_residual, actual_residual)
 
 
-def test_topk_too_few_candidates_select_again_as_the_reference(monkeypatch):
+def test_topk_too_few_candidates_select_again_as_the_reference(misjudge_threshold):
     # The first threshold selects far fewer than 0.9 k: both backends select
     # again at the same sample's lower threshold and cut to k.
     x = randn(20_000, seed=18)
     residual = randn(20_000, seed=19) * 0.3
     expected_residual, actual_residual = residual.clone(), residual.clone()
-    original = reference.threshold_from_sample
-
-    def misjudged(sample, wanted, numel):
-        return original(sample, wanted, numel) * (1.5 if wanted == 200 else 1.0)
-
-    monkeypatch.setattr(reference, "threshold_from_sample", misjudged)
+    misjudge_threshold(200, 1.5)
     expected = reference.topk_select(x, 200, expected_residual, seed=4)
     actual = triton_ops.FUNCTIONS["topk_select"](x, 200, actual_residual, seed=4)
     assert actual[0].numel() == 200
