@@ -618,12 +618,22 @@ def test_randk_indices_distinct_sorted_in_range_and_seeded(numel, k):
         assert not torch.equal(indices, ops.randk_indices(numel, k, seed=124))
 
 
+@pytest.mark.parametrize(
+    "numel, k", [(1, 1), (7, 7), (1000, 10), (2**20, 2**20), (6_300_000, 63_000), (2**33 + 5, 1000)]
+)
+@pytest.mark.parametrize("seed", [0, 12345, 2**63 + 5])
+def test_randk_indices_numpy_walk_is_the_torch_walk(numel, k, seed):
+    """On CPU the cycle walk runs in numpy (uint32 halves); GPUs run it in torch
+    (int64 with masks): the same permutation, so the same indices."""
+    half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
+    walked = reference._walk_numpy(numel, k, half_bits, keys)
+    assert walked.dtype == torch.int64
+    assert torch.equal(walked, reference._walk_torch(numel, k, half_bits, keys, torch.device("cpu")))
+
+
 @pytest.mark.parametrize("numel, k, seeds", [(50, 5, 4000), (20, 10, 2000), (1000, 100, 1000)])
 def test_randk_indices_uniform(numel, k, seeds):
-    """Each index is picked with probability k / numel: a chi-square test over many seeds.
-
-    (50, 5) and (1000, 100) use the sparse draw-and-unique path, (20, 10) the permutation path.
-    """
+    """Each index is picked with probability k / numel: a chi-square test over many seeds."""
     counts = torch.zeros(numel, dtype=torch.float64)
     for seed in range(seeds):
         counts[ops.randk_indices(numel, k, seed)] += 1
@@ -663,7 +673,8 @@ def test_randk_indices_recent_ones_are_reused_as_copies(monkeypatch):
     first = reference.randk_indices(100_000, 1000, seed=77)
     first[:] = 0  # a caller scribbling on its copy
     calls = []
-    monkeypatch.setattr(reference, "feistel_permute", lambda *a: calls.append(a) or a[0])
+    walk = reference._walk_numpy
+    monkeypatch.setattr(reference, "_walk_numpy", lambda *a: calls.append(a) or walk(*a))
     again = reference.randk_indices(100_000, 1000, seed=77)
     assert not calls, "recomputed"
     assert torch.unique(again).numel() == 1000 and again.max() < 100_000

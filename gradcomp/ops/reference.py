@@ -643,6 +643,49 @@ def feistel_permute(x: torch.Tensor, half_bits: int, keys: list[int]) -> torch.T
     return (left << half_bits) | right
 
 
+def _feistel_permute_numpy(x: np.ndarray, half_bits: int, keys: list[int]) -> np.ndarray:
+    """:func:`feistel_permute` on uint64 arrays, the halves in uint32, whose
+    products wrap modulo 2**32 as ``& 0xFFFFFFFF`` makes them there."""
+    mask = np.uint32((1 << half_bits) - 1)
+    left = (x >> np.uint64(half_bits)).astype(np.uint32)
+    right = (x & np.uint64(mask)).astype(np.uint32)
+    for key in keys:
+        value = right ^ np.uint32(key)
+        value ^= value >> np.uint32(16)
+        value *= np.uint32(_HASH_MULTIPLIERS[0])
+        value ^= value >> np.uint32(15)
+        value *= np.uint32(_HASH_MULTIPLIERS[1])
+        value ^= value >> np.uint32(16)
+        value &= mask
+        value ^= left
+        left, right = right, value
+    return (left.astype(np.uint64) << np.uint64(half_bits)) | right
+
+
+def _walk_torch(numel: int, k: int, half_bits: int, keys: list[int], device: torch.device) -> torch.Tensor:
+    chosen = feistel_permute(torch.arange(k, dtype=torch.int64, device=device), half_bits, keys)
+    outside = chosen >= numel
+    while bool(outside.any()):
+        chosen[outside] = feistel_permute(chosen[outside], half_bits, keys)
+        outside = chosen >= numel
+    return chosen.sort().values
+
+
+def _walk_numpy(numel: int, k: int, half_bits: int, keys: list[int]) -> torch.Tensor:
+    """:func:`_walk_torch` on CPU: each walk takes only the entries still out
+    of range, in numpy, where an op on a few elements costs a microsecond, not
+    the ten of a torch op (the walk takes about 20 rounds)."""
+    chosen = _feistel_permute_numpy(np.arange(k, dtype=np.uint64), half_bits, keys)
+    pending = np.flatnonzero(chosen >= numel)
+    while pending.size:
+        moved = _feistel_permute_numpy(chosen[pending], half_bits, keys)
+        chosen[pending] = moved
+        pending = pending[moved >= numel]
+    chosen = chosen.astype(np.int64)
+    chosen.sort()
+    return torch.from_numpy(chosen)
+
+
 def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``k`` distinct ascending indices in ``[0, numel)`` that ``seed`` picks (int64).
 
@@ -658,12 +701,10 @@ def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "c
     if cached is not None:
         return cached.clone()
     half_bits, keys = feistel_half_bits(numel), feistel_keys(seed)
-    chosen = feistel_permute(torch.arange(k, dtype=torch.int64, device=device), half_bits, keys)
-    outside = chosen >= numel
-    while bool(outside.any()):
-        chosen[outside] = feistel_permute(chosen[outside], half_bits, keys)
-        outside = chosen >= numel
-    chosen = chosen.sort().values
+    if device.type == "cpu":
+        chosen = _walk_numpy(numel, k, half_bits, keys)
+    else:
+        chosen = _walk_torch(numel, k, half_bits, keys, device)
     with _RECENT_INDICES_LOCK:
         _RECENT_INDICES[key] = chosen
         while len(_RECENT_INDICES) > RECENT_INDICES:
