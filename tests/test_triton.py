@@ -325,6 +325,32 @@ def test_compressors_agree_across_backends(name, monkeypatch):
     assert_same(decoded["torch"], decoded["triton"])
 
 
+def test_randk_decodes_with_the_index_kernel_it_encoded_with(monkeypatch):
+    """On a GPU random-K's decode takes its indices from the Triton kernel, not
+    from the reference's walk (a loop of small ops with a host sync per
+    round), and reuses the ones its encode computed."""
+    monkeypatch.setenv("GRADCOMP_BACKEND", "triton")
+    monkeypatch.setattr(reference, "_RECENT_INDICES", {})
+    kernel, launches = gradcomp.kernels.randk_indices, []
+    monkeypatch.setattr(gradcomp.kernels, "randk_indices", lambda *a: launches.append(a) or kernel(*a))
+
+    def no_walk(*args):
+        raise AssertionError("the reference walked")
+
+    monkeypatch.setattr(reference, "_walk_torch", no_walk)
+    monkeypatch.setattr(reference, "_walk_numpy", no_walk)
+    compressor = gradcomp.get_compressor("randk", ratio=0.02)
+    x = randn(3000, seed=22)
+    payload = compressor.compress(x, Context(residual=torch.zeros(3000, device=DEVICE), step=5, key=2))
+    decoded = compressor.decompress(payload)
+    assert len(launches) == 1
+    picked = triton_ops.randk_indices(3000, 60, payload.meta["seed"], DEVICE)
+    assert len(launches) == 1
+    expected = torch.zeros(3000, device=DEVICE)
+    expected[picked] = x[picked]
+    assert_same(expected, decoded)
+
+
 def test_forcing_triton_on_a_device_it_cannot_run_on_raises(monkeypatch):
     monkeypatch.setenv("GRADCOMP_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

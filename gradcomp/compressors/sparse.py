@@ -6,7 +6,6 @@ import torch
 
 from gradcomp import ops
 from gradcomp.compressors.base import Compressor, Context, resolve_k
-from gradcomp.ops import reference
 from gradcomp.payload import Layout, Payload
 
 INDEX_DTYPES = {"auto": None, "int32": torch.int32, "int64": torch.int64}
@@ -155,7 +154,5 @@ class RandK(Compressor):
 
     def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
         values = payload.tensors["values"]
-        indices = reference.randk_indices(
-            payload.numel, payload.meta["k"], payload.meta["seed"], values.device
-        )
+        indices = ops.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], values.device)
         return _decode_sparse(indices, values, payload.numel, out, accumulate, divisor)

@@ -34,6 +34,7 @@ OP_NAMES = (
     "sign_decompress",
     "topk_select",
     "randk_select",
+    "randk_indices",
     "scatter_add",
     "pack_bits",
     "unpack_bits",
@@ -143,7 +144,15 @@ randk_select = _dispatching("randk_select")
 scatter_add = _dispatching("scatter_add")
 pack_bits = _dispatching("pack_bits")
 unpack_bits = _dispatching("unpack_bits")
-randk_indices = reference.randk_indices
+
+
+def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`gradcomp.ops.reference.randk_indices` on ``device``'s backend (a GPU
+    computes them in one kernel, not in the reference's loop of small ops)."""
+    device = torch.device(device)
+    return implementation("randk_indices", device)(numel, k, seed, device)
+
+
 index_dtype_for = reference.index_dtype_for
 code_bits = reference.code_bits
 
@@ -153,6 +162,5 @@ __all__ = [
     "code_bits",
     "implementation",
     "index_dtype_for",
-    "randk_indices",
     "register_backend",
 ]

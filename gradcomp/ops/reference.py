@@ -20,8 +20,10 @@ Conventions shared by all ops:
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "quantize_blockwise",
     "randk_indices",
     "randk_select",
+    "remembered_indices",
     "scatter_add",
     "sign_compress",
     "sign_decompress",
@@ -695,16 +698,30 @@ def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "c
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
     device = torch.device(device)
-    key = (numel, k, seed, device)
+    half_bits, keys = feistel_half_bits(numel), feistel_keys(seed)
+    if device.type == "cpu":
+        walk = functools.partial(_walk_numpy, numel, k, half_bits, keys)
+    else:
+        walk = functools.partial(_walk_torch, numel, k, half_bits, keys, device)
+    return remembered_indices("torch", numel, k, seed, device, walk)
+
+
+def remembered_indices(
+    backend: str, numel: int, k: int, seed: int, device: torch.device, compute: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """A copy of ``backend``'s random-K indices for these arguments: ``compute()``
+    unless they are among the last few asked for.
+
+    A payload is encoded and then decoded with the same seed (the all-reduce
+    decodes the sum right away), and computing the indices costs more than a
+    pass over the tensor. Kept per backend, so that no backend hands out what
+    another computed."""
+    key = (backend, numel, k, seed, device)
     with _RECENT_INDICES_LOCK:
         cached = _RECENT_INDICES.get(key)
     if cached is not None:
         return cached.clone()
-    half_bits, keys = feistel_half_bits(numel), feistel_keys(seed)
-    if device.type == "cpu":
-        chosen = _walk_numpy(numel, k, half_bits, keys)
-    else:
-        chosen = _walk_torch(numel, k, half_bits, keys, device)
+    chosen = compute()
     with _RECENT_INDICES_LOCK:
         _RECENT_INDICES[key] = chosen
         while len(_RECENT_INDICES) > RECENT_INDICES:
@@ -712,9 +729,6 @@ def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "c
     return chosen.clone()
 
 
-# The indices of the last few random-K calls: a payload is encoded and then
-# decoded with the same seed (the all-reduce decodes the sum right away), and
-# computing them costs more than a pass over the tensor. Handed out as copies.
 RECENT_INDICES = 2
 _RECENT_INDICES: dict[tuple, torch.Tensor] = {}
 _RECENT_INDICES_LOCK = threading.Lock()

@@ -21,8 +21,11 @@ def randk_indices(numel: int, k: int, seed: int, device) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.randk_indices` on the Triton kernel."""
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
+    device = torch.device(device)
     half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
-    return kernels.randk_indices(numel, k, half_bits, keys, device)
+    return reference.remembered_indices(
+        "triton", numel, k, seed, device, lambda: kernels.randk_indices(numel, k, half_bits, keys, device)
+    )
 
 
 def randk_select(
@@ -110,6 +113,7 @@ FUNCTIONS = {
     "sign_decompress": kernels.sign_decompress,
     "topk_select": topk_select,
     "randk_select": randk_select,
+    "randk_indices": randk_indices,
     "scatter_add": kernels.scatter_add,
     "pack_bits": kernels.pack_bits,
     "unpack_bits": kernels.unpack_bits,
