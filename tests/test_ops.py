@@ -87,6 +87,10 @@ def test_pack_unpack_round_trip(bits, numel):
     unpacked = ops.unpack_bits(packed, bits, numel)
     assert unpacked.dtype == torch.uint8
     assert torch.equal(unpacked, codes)
+    # Asked for more than was packed: the codes there are, padding included.
+    beyond = ops.unpack_bits(packed, bits, numel + 9)
+    assert beyond.numel() == packed.numel() * (8 // bits)
+    assert torch.equal(beyond[:numel], codes) and not beyond[numel:].any()
 
 
 @pytest.mark.parametrize(
@@ -337,6 +341,19 @@ def test_fused_residual_finite_at_the_largest_floats(case):
     x[[5, 300, 640]] = torch.tensor([biggest, -biggest, 0.999 * biggest])
     run(x, residual)
     assert torch.isfinite(residual).all()
+
+
+def test_sign_scale_at_the_largest_float_decodes_exactly():
+    """A one-element tail block at the largest float: its scale is that float,
+    and twice it overflows, so +-scale must not be formed through 2 * scale."""
+    biggest = torch.finfo(torch.float32).max
+    x = seeded_randn(201, seed=25)
+    x[200] = -biggest
+    residual = torch.zeros(201)
+    packed, scales = ops.sign_compress(x, 100, residual)
+    decoded = ops.sign_decompress(packed, scales, 100, 201)
+    assert scales[2] == biggest and decoded[200] == -biggest
+    assert residual[200] == 0 and torch.isfinite(residual).all()
 
 
 # ============================================================================= unbiasedness

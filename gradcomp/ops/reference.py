@@ -152,6 +152,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.reshape(-1).to(torch.uint8)
     if bits == 8:
         return codes.clone()
+    if bits == 1 and codes.device.type == "cpu":
+        # numpy's packbits: ~15x faster than eight shifted ORs on CPU.
+        return torch.from_numpy(np.packbits(codes.numpy(), bitorder="little"))
     per_byte = 8 // bits
     pad = (-codes.numel()) % per_byte
     if pad:
@@ -171,6 +174,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed.reshape(-1)[:numel]
     per_byte = 8 // bits
     packed = packed.reshape(-1)
+    if bits == 1 and packed.device.type == "cpu":
+        count = min(numel, 8 * packed.numel())
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=count, bitorder="little"))
     codes = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
     for position in range(per_byte):
         torch.bitwise_and(packed >> (position * bits), (1 << bits) - 1, out=codes[:, position])
@@ -401,15 +407,23 @@ def sign_compress(
         part_scales = scales[start // block : math.ceil(end / block)]
         torch.div(blocks.abs().sum(dim=1), counts, out=part_scales)
         # NaN has no sign: it must still decode to NaN, which its block's NaN scale ensures.
-        positive = blocks >= 0
+        positive = _non_negative(blocks)
         packed[start // 8 : math.ceil(end / 8)] = pack_bits(positive.view(-1)[:part].view(torch.uint8), 1)
         if part_residual is not None:
-            signs = positive.to(torch.float32).mul_(2).sub_(1)
+            signs = positive.view(torch.uint8).to(torch.float32).mul_(2).sub_(1)
             decoded = signs.mul_(part_scales.unsqueeze(1)).view(-1)[:part]
             # As in quantization: finite scales, finite error (same signs).
             finite = _read_on_cpu(torch.isfinite(part_scales).all())
             store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded, finite=finite)
     return packed, scales
+
+
+def _non_negative(y: torch.Tensor) -> torch.Tensor:
+    """``y >= 0`` (False for NaN), through numpy on CPU, where torch's
+    comparison into a bool tensor is about ten times slower."""
+    if y.device.type != "cpu":
+        return y >= 0
+    return torch.from_numpy(np.greater_equal(y.numpy(), 0))
 
 
 def sign_decompress(
