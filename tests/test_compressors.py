@@ -253,6 +253,27 @@ def test_residual_numel_mismatch_raises(variant):
         compressor.compress(seeded_randn(100, seed=5), Context(residual=torch.zeros(99)))
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_tensor_that_requires_grad_is_read_as_its_value(variant):
+    """Compressing is not differentiable: a parameter (or anything in a graph)
+    compresses like its detached value, is left as it was, and decodes to a
+    tensor outside any graph."""
+    name, options = variant
+    compressor = get_compressor(name, **options)
+    value = seeded_randn(1023, seed=6)
+    x = value.clone().requires_grad_()
+    residuals = [torch.zeros(1023) if compressor.needs_feedback else None for _ in range(2)]
+    payload = compressor.compress(x * 1.0, Context(residual=residuals[0], step=2, key=3))
+    expected = compressor.compress(value, Context(residual=residuals[1], step=2, key=3))
+    assert torch.equal(x.detach(), value)
+    for key, tensor in expected.tensors.items():
+        assert not payload.tensors[key].requires_grad
+        assert torch.equal(payload.tensors[key], tensor), key
+    decoded = compressor.decompress(payload)
+    assert not decoded.requires_grad
+    assert torch.equal(decoded, compressor.decompress(expected))
+
+
 UNBIASED_VARIANTS = [
     ("qsgd", {}),
     ("qsgd", {"levels": 1}),

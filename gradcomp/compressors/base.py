@@ -100,8 +100,10 @@ class Compressor:
         return f"{type(self).__name__}({options})"
 
     # ------------------------------------------------------------------ API
+    @torch.no_grad()
     def compress(self, tensor: torch.Tensor, ctx: Context | None = None) -> Payload:
-        """Encode ``tensor`` (any shape; fp32, fp16, bf16 or fp64).
+        """Encode ``tensor`` (any shape; fp32, fp16, bf16 or fp64). Not differentiable:
+        a tensor that requires grad is read as its value.
 
         With ``ctx.residual`` the residual is added first and replaced by what
         this payload does not carry.
@@ -110,9 +112,10 @@ class Compressor:
         ctx = ctx or Context()
         if ctx.residual is not None and ctx.residual.numel() != tensor.numel():
             raise ValueError(f"residual has {ctx.residual.numel()} elements, tensor has {tensor.numel()}")
-        tensors, meta = self._encode(tensor.reshape(-1), ctx)
+        tensors, meta = self._encode(tensor.detach().reshape(-1), ctx)
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 
+    @torch.no_grad()
     def decompress(
         self,
         payload: Payload,
