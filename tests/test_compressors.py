@@ -246,11 +246,27 @@ def test_error_feedback_conserves_over_steps(variant, dtype):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-def test_residual_numel_mismatch_raises(variant):
+def test_residual_and_out_that_cannot_hold_the_values_raise(variant):
+    """Wrong size, or an integer dtype, which would truncate the residual or the
+    decoded values without a word."""
     name, options = variant
     compressor = get_compressor(name, **options)
-    with pytest.raises(ValueError):
-        compressor.compress(seeded_randn(100, seed=5), Context(residual=torch.zeros(99)))
+    x = seeded_randn(100, seed=5)
+    with pytest.raises(ValueError, match="residual has 99 elements"):
+        compressor.compress(x, Context(residual=torch.zeros(99)))
+    with pytest.raises(TypeError, match="residual must be float32"):
+        compressor.compress(x, Context(residual=torch.zeros(100, dtype=torch.int32)))
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        compressor.compress(x, Context(residual=[0.0] * 100))
+    with pytest.raises(ValueError, match="residual is on meta"):
+        compressor.compress(x, Context(residual=torch.zeros(100, device="meta")))
+    payload = compressor.compress(x, Context(residual=torch.zeros(100)))
+    with pytest.raises(ValueError, match="out has 99 elements"):
+        compressor.decompress(payload, out=torch.zeros(99))
+    with pytest.raises(TypeError, match="out must be float32"):
+        compressor.decompress(payload, out=torch.zeros(100, dtype=torch.int64), accumulate=True)
+    with pytest.raises(ValueError, match="out is on meta"):
+        compressor.decompress(payload, out=torch.zeros(100, device="meta"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)

@@ -110,8 +110,8 @@ class Compressor:
         """
         check_tensor(tensor)
         ctx = ctx or Context()
-        if ctx.residual is not None and ctx.residual.numel() != tensor.numel():
-            raise ValueError(f"residual has {ctx.residual.numel()} elements, tensor has {tensor.numel()}")
+        if ctx.residual is not None:
+            _check_companion("residual", ctx.residual, tensor.numel(), tensor.device)
         tensors, meta = self._encode(tensor.detach().reshape(-1), ctx)
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 
@@ -136,8 +136,9 @@ class Compressor:
         """
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=")
-        if out is not None and out.numel() != payload.numel:
-            raise ValueError(f"out has {out.numel()} elements, payload encodes {payload.numel}")
+        if out is not None:
+            device = next(iter(payload.tensors.values())).device if payload.tensors else out.device
+            _check_companion("out", out, payload.numel, device)
         if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
             raise ValueError(f"divisor must be a positive integer, got {divisor!r}")
         flat = None if out is None else out.view(-1)
@@ -183,6 +184,19 @@ def check_tensor(tensor: torch.Tensor) -> None:
         )
     if tensor.is_sparse:
         raise TypeError("sparse tensors are not supported; pass a dense gradient")
+
+
+def _check_companion(name: str, tensor, numel: int, device: torch.device) -> None:
+    """A residual or output: a floating tensor of ``numel`` elements on ``device``
+    (an integer one would silently truncate what it holds)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {tensor.dtype}")
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device}")
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> int:

@@ -680,6 +680,8 @@ def _feistel_permute_numpy(x: np.ndarray, half_bits: int, keys: list[int]) -> np
 
 
 def _walk_torch(numel: int, k: int, half_bits: int, keys: list[int], device: torch.device) -> torch.Tensor:
+    """The first ``k`` outputs of the permutation, each walked back into
+    ``[0, numel)``, ascending (int64 on ``device``)."""
     chosen = feistel_permute(torch.arange(k, dtype=torch.int64, device=device), half_bits, keys)
     outside = chosen >= numel
     while bool(outside.any()):
