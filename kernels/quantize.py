@@ -62,6 +62,10 @@ def _quantize_kernel(
         unit = tl.math.div_rn(y, safe_peak)
         peak = tl.sqrt(tl.sum(unit * unit, axis=0)) * peak
     scale = tl.math.div_rn(tl.where(has_nan, float("nan"), peak), levels_f)
+    # Where levels * scale rounds past the largest float, the next float down,
+    # so that the top level of a finite block decodes finite (as the reference).
+    over = is_finite(scale) & ~is_finite(scale * levels_f)
+    scale = tl.where(over, (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), scale)
     divisor = tl.where(scale > 0, scale, 1.0)
     scaled = tl.math.div_rn(y, divisor)
     if STOCHASTIC:

@@ -115,6 +115,30 @@ def test_quantize_non_finite_blocks_decode_non_finite(bad):
     assert_same(expected, decoded)
 
 
+# The interpreter computes with numpy, which warns of the overflow the kernel tests for.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("bits, levels, scale", [(8, None, "absmax"), (4, None, "absmax"), (4, 7, "norm")])
+def test_quantize_at_the_largest_floats_matches_and_decodes_finite(bits, levels, scale):
+    """Where levels * scale rounds past the largest float, both step the scale
+    one ulp down: same scales and codes, finite decoded values and residual."""
+    biggest = torch.finfo(torch.float32).max
+    x = randn(1000, seed=8)
+    x[[5, 300, 640]] = torch.tensor([biggest, -biggest, 0.999 * biggest], device=DEVICE)
+    options = {"levels": levels, "scale": scale}
+    expected_residual, actual_residual = torch.zeros(1000, device=DEVICE), torch.zeros(1000, device=DEVICE)
+    codes, scales = reference.quantize_blockwise(x, bits, 256, residual=expected_residual, **options)
+    got_codes, got_scales = triton_ops.FUNCTIONS["quantize_blockwise"](
+        x, bits, 256, residual=actual_residual, **options
+    )
+    assert_same(scales, got_scales)
+    assert_same(codes, got_codes)
+    assert_same(expected_residual, actual_residual)
+    decode = triton_ops.FUNCTIONS["dequantize_blockwise"]
+    decoded = decode(got_codes, got_scales, bits, 256, 1000, levels=levels)
+    assert torch.isfinite(decoded).all() and torch.isfinite(actual_residual).all()
+
+
 def test_stochastic_rounding_is_unbiased_and_conserves():
     x = randn(512, seed=2)
     trials = 200

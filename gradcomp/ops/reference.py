@@ -272,6 +272,14 @@ def _quantize_part(
         safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
         magnitude = (blocks / safe_peak).norm(dim=1) * peak.squeeze(1)
     torch.div(magnitude, levels, out=scales)
+    # Every scale finite, and far enough below the largest float that
+    # level * scale cannot round past it: every element is finite, and so are
+    # the levels, the decoded values and the error (a level never has the
+    # opposite sign of its element), so two nan_to_num passes go. (amax
+    # propagates NaN.)
+    finite = _read_on_cpu(torch.isfinite(scales.amax() * (2 * levels)))
+    if not finite:
+        _keep_top_level_finite(scales, levels)
     # All-zero blocks keep scale 0 and codes of level 0; inf/NaN blocks keep a
     # non-finite scale so that they decode to non-finite values.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
@@ -281,12 +289,6 @@ def _quantize_part(
         level.floor_()
     else:
         level.round_()
-    # Every scale finite, and far enough below the largest float that
-    # level * scale cannot round past it: every element is finite, and so are
-    # the levels, the decoded values and the error (a level never has the
-    # opposite sign of its element), so two nan_to_num passes go. (amax
-    # propagates NaN.)
-    finite = _read_on_cpu(torch.isfinite(scales.amax() * (2 * levels)))
     if not finite:
         level.nan_to_num_(0.0, 0.0, 0.0)
     level.clamp_(-levels, levels)
@@ -302,6 +304,15 @@ def _quantize_part(
         # In place (fresh buffers cost page faults): level becomes the decoded value.
         decoded = level.mul_(scales.unsqueeze(1)).view(-1)[:numel]
         store_residual(residual, blocks.view(-1)[:numel], decoded, scratch=decoded, finite=finite)
+
+
+def _keep_top_level_finite(scales: torch.Tensor, levels: int) -> None:
+    """Step a finite scale down one ulp where ``levels * scale`` rounds past the
+    largest float (int8: ``127 * (max / 127)`` does), so that every level of
+    a finite block decodes to a finite value. One ulp is enough: the scale is
+    within half an ulp of ``peak / levels``."""
+    over = torch.isfinite(scales) & ~torch.isfinite(scales * levels)
+    scales.view(torch.int32)[over] -= 1  # positive floats: the next one down
 
 
 def dequantize_blockwise(
