@@ -94,16 +94,19 @@ def test_pack_unpack_round_trip(bits, numel):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("offset", [0, 1, 3])
-def test_pack_bits_word_path_is_the_position_path(bits, offset):
+@pytest.mark.parametrize("offset, stride", [(0, 1), (1, 1), (3, 1), (0, 2), (1, 2)])
+def test_pack_bits_word_path_is_the_position_path(bits, offset, stride):
     """On CPU 2- and 4-bit codes are packed and unpacked a word at a time; the
     per-position ops (GPUs) give the same bytes, also for codes that start
-    at an odd address."""
+    at an odd address or are strided."""
     generator = torch.Generator().manual_seed(bits + offset)
-    storage = torch.randint(0, 2**bits, (4099 + offset,), generator=generator, dtype=torch.uint8)
-    codes = storage[offset : offset + 4096]
+    storage = torch.randint(
+        0, 2**bits, (4099 + offset + 4096 * stride,), generator=generator, dtype=torch.uint8
+    )
+    codes = storage[offset : offset + 4096 * stride : stride]
     expected = reference._pack_positions(codes.clone(), bits)
     assert torch.equal(reference._pack_words(codes, bits), expected)
+    assert torch.equal(ops.pack_bits(codes, bits), expected)
     assert torch.equal(reference._unpack_words(expected, bits), reference._unpack_positions(expected, bits))
     assert torch.equal(reference._unpack_words(expected, bits), codes)
 

@@ -200,8 +200,9 @@ def _pack_positions(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if codes.storage_offset() % (8 // bits):
-        codes = codes.clone()  # a word view needs word-aligned storage
+    if not codes.is_contiguous() or codes.storage_offset() % (8 // bits):
+        # A word view needs contiguous, word-aligned storage (a word is 8 // bits bytes).
+        codes = codes.clone(memory_format=torch.contiguous_format)
     word, mask = codes.view(_WORDS[bits]), (1 << bits) - 1
     packed = word & mask
     for position in range(1, 8 // bits):
