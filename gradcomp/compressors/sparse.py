@@ -24,17 +24,30 @@ def _check_ratio_k(ratio, k) -> tuple[float | None, int | None]:
     return float(ratio), None
 
 
-def _decode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, out, accumulate, divisor=1):
-    if divisor != 1:
-        values = values.to(torch.promote_types(values.dtype, torch.float32)) / divisor
-    if out is None:
-        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    elif not accumulate:
-        out.zero_()
-    return ops.scatter_add(indices, values, out)
+class _Sparse(Compressor):
+    """Payloads of ``k`` values at indices: decoded by a scatter-add, and a
+    mean divides the ``k`` values, not the output (see ``decompress``)."""
+
+    sparse = True
+
+    def _indices(self, payload: Payload) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        return self._decode_divided(payload, out, accumulate, 1)
+
+    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
+        values = payload.tensors["values"]
+        if divisor != 1:
+            values = values.to(torch.promote_types(values.dtype, torch.float32)) / divisor
+        if out is None:
+            out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
+        elif not accumulate:
+            out.zero_()
+        return ops.scatter_add(self._indices(payload), values, out)
 
 
-class TopK(Compressor):
+class TopK(_Sparse):
     """Keeps the ``k`` largest-magnitude elements: values plus indices.
 
     Args:
@@ -51,7 +64,6 @@ class TopK(Compressor):
     """
 
     name = "topk"
-    sparse = True
 
     def __init__(
         self,
@@ -94,15 +106,11 @@ class TopK(Compressor):
         )
         return {"indices": indices, "values": values}, {"k": values.numel()}
 
-    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
-        return self._decode_divided(payload, out, accumulate, 1)
-
-    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
-        tensors = payload.tensors
-        return _decode_sparse(tensors["indices"], tensors["values"], payload.numel, out, accumulate, divisor)
+    def _indices(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors["indices"]
 
 
-class RandK(Compressor):
+class RandK(_Sparse):
     """Keeps ``k`` elements chosen by a seed that every rank shares.
 
     Only the values travel; indices follow from ``(seed, step, key)``, so the
@@ -119,7 +127,6 @@ class RandK(Compressor):
 
     name = "randk"
     summable = True
-    sparse = True
 
     def __init__(
         self,
@@ -149,10 +156,6 @@ class RandK(Compressor):
         values = ops.randk_select(flat, k, seed, ctx.residual, scale=scale, value_dtype=flat.dtype)
         return {"values": values}, {"k": k, "seed": seed}
 
-    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
-        return self._decode_divided(payload, out, accumulate, 1)
-
-    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
-        values = payload.tensors["values"]
-        indices = ops.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], values.device)
-        return _decode_sparse(indices, values, payload.numel, out, accumulate, divisor)
+    def _indices(self, payload: Payload) -> torch.Tensor:
+        device = payload.tensors["values"].device
+        return ops.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], device)
