@@ -175,24 +175,21 @@ class Compressor:
         return mix_seed(self.seed, ctx.step, ctx.key)
 
 
-def check_tensor(tensor: torch.Tensor) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"gradcomp compresses floating tensors (float32, float16, bfloat16, float64), got {tensor.dtype}"
-        )
-    if tensor.is_sparse:
-        raise TypeError("sparse tensors are not supported; pass a dense gradient")
-
-
-def _check_companion(name: str, tensor, numel: int, device: torch.device) -> None:
-    """A residual or output: a floating tensor of ``numel`` elements on ``device``
-    (an integer one would silently truncate what it holds)."""
+def check_tensor(tensor: torch.Tensor, name: str = "tensor") -> None:
+    """A dense tensor of a floating dtype gradcomp works in; ``name`` says
+    which argument in the messages. An integer residual or output would
+    silently truncate what it holds."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {tensor.dtype}")
+    if tensor.is_sparse:
+        raise TypeError(f"{name} is a sparse tensor; gradcomp works on dense ones")
+
+
+def _check_companion(name: str, tensor, numel: int, device: torch.device) -> None:
+    """A residual or output: as :func:`check_tensor`, of ``numel`` elements on ``device``."""
+    check_tensor(tensor, name)
     if tensor.numel() != numel:
         raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel}")
     if tensor.device != device:
