@@ -29,6 +29,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -174,6 +175,8 @@ def derive(records: list[dict]) -> None:
 def target(record: dict) -> str:
     """``met`` within TOLERANCE of dense's loss either way, else how far off and which way."""
     difference = record["loss_vs_dense"]
+    if not math.isfinite(difference):
+        return "missed: the loss is not finite (diverged)"
     if abs(difference) <= TOLERANCE:
         return "met"
     side = "lower" if difference < 0 else "higher"

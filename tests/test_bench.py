@@ -231,3 +231,12 @@ def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
     check = document["link_check"]
     # 2 ranks x 1 MiB cross the loopback: 168 ms at 100 Mbit/s; unlimited it takes about 1 ms.
     assert check["seconds"] > 0.5 * check["expected_seconds"] > 0.05
+
+
+def test_convergence_target_says_when_a_run_diverged():
+    convergence = importlib.import_module("convergence")
+    records = [{"run": "dense", "train_loss": 0.005}, {"run": "randk (feedback)", "train_loss": float("nan")}]
+    records.append({"run": "int8 (feedback)", "train_loss": 0.00505})
+    convergence.derive(records)
+    assert records[1]["target"] == "missed: the loss is not finite (diverged)"
+    assert records[2]["target"] == "met"
