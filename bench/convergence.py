@@ -21,8 +21,13 @@ objective: a run can reach a lower training loss with larger weights), and
 the bytes one rank sends per step (ring model); the loss after every epoch
 goes to a PNG.
 
+``--warmup-steps N`` reduces a compressed run's first N steps dense (the
+hook's ``warmup_steps``, as PowerSGD's ``start_powerSGD_iter`` does); its
+bytes per step then average over the dense and the compressed steps.
+
 Examples:
     python bench/convergence.py
+    python bench/convergence.py --compressors randk --warmup-steps 420
     python bench/convergence.py --epochs 20 --compressors int8 topk:ratio=0.1
 """
 
@@ -72,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     top.add_argument("--weight-decay", type=float, default=1e-3, help="SGD weight decay (default 1e-3)")
     top.add_argument("--seed", type=int, default=0, help="model, split and shuffling seed (default 0)")
+    top.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="compressed runs reduce their first N steps dense, through the hook's warmup_steps "
+        "(like PowerSGD's start_powerSGD_iter); their bytes/step average over every step (default 0)",
+    )
     common.add_common_options(top)
     return top
 
@@ -95,7 +107,14 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
     state = None
     if run["name"] is not None:
         options = {**run["options"], "feedback": run["feedback"]}
-        state = gradcomp.ddp.register(model, run["name"], min_numel=0, measure_error=False, **options)
+        state = gradcomp.ddp.register(
+            model,
+            run["name"],
+            warmup_steps=settings["warmup_steps"],
+            min_numel=0,
+            measure_error=False,
+            **options,
+        )
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=settings["lr"],
@@ -232,12 +251,14 @@ def plot(records: list[dict], title: str, path: str) -> None:
 
 
 def describe(settings: dict, records: list[dict]) -> str:
+    warmup = settings["warmup_steps"]
+    warmup = f", compressed runs dense for their first {warmup} steps" if warmup else ""
     return (
         f"MLP 64-{settings['width']}-{settings['width']}-10, digits 1347 train / 450 test, "
         f"{settings['epochs']} epochs = {records[0]['steps']} steps, global batch {settings['batch_size']}, "
         f"SGD lr {settings['lr']} (cosine to 0) momentum {settings['momentum']} "
         f"weight decay {settings['weight_decay']}, "
-        f"seed {settings['seed']}; train loss: cross-entropy on the whole training set after training"
+        f"seed {settings['seed']}{warmup}; train loss: cross-entropy on the whole training set after training"
     )
 
 
@@ -250,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(error))
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:
         parser().error("need --epochs >= 1, --spawn >= 2 and --batch-size >= --spawn")
+    if args.warmup_steps < 0:
+        parser().error("need --warmup-steps >= 0")
     if not 0 <= args.momentum < 1:
         parser().error("need 0 <= --momentum < 1")
     settings = vars(args)
