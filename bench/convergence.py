@@ -21,13 +21,13 @@ objective: a run can reach a lower training loss with larger weights), and
 the bytes one rank sends per step (ring model); the loss after every epoch
 goes to a PNG.
 
-``--warmup-steps N`` reduces a compressed run's first N steps dense (the
+``--dense-steps N`` reduces a compressed run's first N steps dense (the
 hook's ``warmup_steps``, as PowerSGD's ``start_powerSGD_iter`` does); its
 bytes per step then average over the dense and the compressed steps.
 
 Examples:
     python bench/convergence.py
-    python bench/convergence.py --compressors randk --warmup-steps 420
+    python bench/convergence.py --compressors randk --dense-steps 420
     python bench/convergence.py --epochs 20 --compressors int8 topk:ratio=0.1
 """
 
@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--weight-decay", type=float, default=1e-3, help="SGD weight decay (default 1e-3)")
     top.add_argument("--seed", type=int, default=0, help="model, split and shuffling seed (default 0)")
     top.add_argument(
-        "--warmup-steps",
+        "--dense-steps",
         type=int,
         default=0,
         help="compressed runs reduce their first N steps dense, through the hook's warmup_steps "
@@ -110,7 +110,7 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         state = gradcomp.ddp.register(
             model,
             run["name"],
-            warmup_steps=settings["warmup_steps"],
+            warmup_steps=settings["dense_steps"],
             min_numel=0,
             measure_error=False,
             **options,
@@ -251,14 +251,14 @@ def plot(records: list[dict], title: str, path: str) -> None:
 
 
 def describe(settings: dict, records: list[dict]) -> str:
-    warmup = settings["warmup_steps"]
-    warmup = f", compressed runs dense for their first {warmup} steps" if warmup else ""
+    steps = settings["dense_steps"]
+    dense = f", compressed runs dense for their first {steps} steps" if steps else ""
     return (
         f"MLP 64-{settings['width']}-{settings['width']}-10, digits 1347 train / 450 test, "
         f"{settings['epochs']} epochs = {records[0]['steps']} steps, global batch {settings['batch_size']}, "
         f"SGD lr {settings['lr']} (cosine to 0) momentum {settings['momentum']} "
         f"weight decay {settings['weight_decay']}, "
-        f"seed {settings['seed']}{warmup}; train loss: cross-entropy on the whole training set after training"
+        f"seed {settings['seed']}{dense}; train loss: cross-entropy on the whole training set after training"
     )
 
 
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(error))
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:
         parser().error("need --epochs >= 1, --spawn >= 2 and --batch-size >= --spawn")
-    if args.warmup_steps < 0:
-        parser().error("need --warmup-steps >= 0")
+    if args.dense_steps < 0:
+        parser().error("need --dense-steps >= 0")
     if not 0 <= args.momentum < 1:
         parser().error("need 0 <= --momentum < 1")
     settings = vars(args)

@@ -196,12 +196,12 @@ def test_convergence_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_convergence_warmup_steps_reduce_dense_first_and_count_their_bytes(tmp_path):
+def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
     # 1347 training images in batches of 64: 21 steps an epoch; the warm-up is the first epoch.
     args = ["--epochs", "2", "--width", "32", "--compressors", "int8"]
     plain, warm = tmp_path / "plain", tmp_path / "warm"
     run_script("convergence.py", *args, "--out", str(plain))
-    result = run_script("convergence.py", *args, "--warmup-steps", "21", "--out", str(warm))
+    result = run_script("convergence.py", *args, "--dense-steps", "21", "--out", str(warm))
     assert "compressed runs dense for their first 21 steps" in result.stdout
     plain_rows, plain_doc = read_results(plain, stem("convergence"))
     warm_rows, warm_doc = read_results(warm, stem("convergence"))
@@ -216,14 +216,14 @@ def test_convergence_warmup_steps_reduce_dense_first_and_count_their_bytes(tmp_p
     for run in ("int8 (feedback)", "int8 (no feedback)"):
         assert warm_doc["curves"][run][0] == dense_curve[0]
         assert plain_doc["curves"][run][0] != dense_curve[0]
-    assert warm_doc["settings"]["warmup_steps"] == 21
+    assert warm_doc["settings"]["dense_steps"] == 21
 
 
 def test_convergence_rejects_bad_settings():
     result = run_script("convergence.py", "--momentum", "1", check=False)
     assert result.returncode == 2 and "--momentum" in result.stderr
-    result = run_script("convergence.py", "--warmup-steps", "-1", check=False)
-    assert result.returncode == 2 and "--warmup-steps" in result.stderr
+    result = run_script("convergence.py", "--dense-steps", "-1", check=False)
+    assert result.returncode == 2 and "--dense-steps" in result.stderr
 
 
 def _namespaces() -> set[str]:
