@@ -197,26 +197,26 @@ def test_convergence_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
-    # 1347 training images in batches of 64: 21 steps an epoch; the warm-up is the first epoch.
+    # 1347 training images in batches of 64: 21 steps an epoch; the dense start is the first epoch.
     args = ["--epochs", "2", "--width", "32", "--compressors", "int8"]
-    plain, warm = tmp_path / "plain", tmp_path / "warm"
+    plain, start = tmp_path / "plain", tmp_path / "dense_start"
     run_script("convergence.py", *args, "--out", str(plain))
-    result = run_script("convergence.py", *args, "--dense-steps", "21", "--out", str(warm))
+    result = run_script("convergence.py", *args, "--dense-steps", "21", "--out", str(start))
     assert "compressed runs dense for their first 21 steps" in result.stdout
     plain_rows, plain_doc = read_results(plain, stem("convergence"))
-    warm_rows, warm_doc = read_results(warm, stem("convergence"))
+    start_rows, start_doc = read_results(start, stem("convergence"))
     dense, compressed = float(plain_rows[0]["bytes_per_step"]), float(plain_rows[1]["bytes_per_step"])
     assert compressed < dense / 3
-    for row in warm_rows[1:]:
+    for row in start_rows[1:]:
         assert int(row["steps"]) == 42
         assert float(row["bytes_per_step"]) == pytest.approx((dense + compressed) / 2, rel=1e-12)
-    # The warm-up epoch trains exactly as the dense run does (the same average, bit for bit);
+    # The dense epoch trains exactly as the dense run does (the same average, bit for bit);
     # a compressed first epoch does not.
-    dense_curve = warm_doc["curves"]["dense"]
+    dense_curve = start_doc["curves"]["dense"]
     for run in ("int8 (feedback)", "int8 (no feedback)"):
-        assert warm_doc["curves"][run][0] == dense_curve[0]
+        assert start_doc["curves"][run][0] == dense_curve[0]
         assert plain_doc["curves"][run][0] != dense_curve[0]
-    assert warm_doc["settings"]["dense_steps"] == 21
+    assert start_doc["settings"]["dense_steps"] == 21
 
 
 def test_convergence_rejects_bad_settings():
