@@ -6,7 +6,8 @@ import triton.language as tl
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude below
 # 2**22 to the nearest integer, ties to even -- exactly what torch.round does.
-ROUNDING_MAGIC = 12582912.0
+# A constexpr: the compiler refuses any other module-level value in a kernel.
+ROUNDING_MAGIC = tl.constexpr(12582912.0)
 
 
 # Launch option for kernels whose results must match torch bit for bit: without
@@ -18,6 +19,14 @@ EXACT = {"enable_fp_fusion": False}
 @triton.jit
 def round_half_even(value):
     return (value + ROUNDING_MAGIC) - ROUNDING_MAGIC
+
+
+@triton.jit
+def floor(value):
+    """``floor`` for ``|value| < 2**22`` without flushing subnormals (``tl.floor``
+    compiles to ``cvt.rmi.ftz``: a negative subnormal would floor to 0, not -1)."""
+    rounded = round_half_even(value)
+    return tl.where(rounded > value, rounded - 1.0, rounded)
 
 
 @triton.jit
@@ -83,6 +92,6 @@ def block_width(block: int) -> int:
     return triton.next_power_of_2(block)
 
 
-def seed32(seed: int) -> int:
-    """The 31 low bits of a gradcomp seed, as Triton's generator takes them."""
-    return int(seed) & 0x7FFFFFFF
+def random_seed(seed: int) -> int:
+    """A gradcomp seed as Triton's generator takes it: all 63 bits (Philox keys on 64)."""
+    return int(seed) & (2**63 - 1)

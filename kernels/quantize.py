@@ -23,16 +23,19 @@ from .common import (
     block_width,
     finite_or_zero,
     flat,
+    floor,
     is_finite,
     load_compensated,
+    random_seed,
     residual_view,
     round_half_even,
-    seed32,
     store_decoded,
 )
 
 
-@triton.jit
+# `levels` is 1 for int2 and QSGD(levels=1): specialised, it would reach the
+# kernel as a Python int, which has no `.to`.
+@triton.jit(do_not_specialize=["levels"])
 def _quantize_kernel(
     x_ptr,
     residual_ptr,
@@ -60,7 +63,7 @@ def _quantize_kernel(
     if NORM:
         safe_peak = tl.where(peak > 0, peak, 1.0)
         unit = tl.math.div_rn(y, safe_peak)
-        peak = tl.sqrt(tl.sum(unit * unit, axis=0)) * peak
+        peak = tl.sqrt_rn(tl.sum(unit * unit, axis=0)) * peak
     scale = tl.math.div_rn(tl.where(has_nan, float("nan"), peak), levels_f)
     # Where levels * scale rounds past the largest float, the next float down,
     # so that the top level of a finite block decodes finite (as the reference).
@@ -69,8 +72,8 @@ def _quantize_kernel(
     divisor = tl.where(scale > 0, scale, 1.0)
     scaled = tl.math.div_rn(y, divisor)
     if STOCHASTIC:
-        noise = tl.rand(seed, offsets.to(tl.int32))
-        level = tl.floor(scaled + noise)
+        # 64-bit offsets: 32-bit ones would repeat the noise past 2**31 elements.
+        level = floor(scaled + tl.rand(seed, offsets))
     else:
         level = round_half_even(scaled)
     level = tl.where(is_finite(level), level, 0.0)
@@ -93,7 +96,7 @@ def _quantize_kernel(
         tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["levels"])
 def _dequantize_kernel(
     codes_ptr,
     scales_ptr,
@@ -151,7 +154,7 @@ def quantize_blockwise(
             nbytes,
             block,
             levels,
-            seed32(seed),
+            random_seed(seed),
             BITS=bits,
             WIDTH=block_width(block),
             HAS_RESIDUAL=residual is not None,
