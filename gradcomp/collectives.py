@@ -336,11 +336,10 @@ def resolve_op(op) -> str:
 
 
 def default_algorithm(compressor: Compressor) -> str:
-    """``dense`` for summable payloads, ``allgather`` for sparse or variable-size
-    ones, ``two_phase`` otherwise."""
+    """``dense`` for summable payloads, ``allgather`` for sparse ones, ``two_phase`` otherwise."""
     if compressor.summable:
         return "dense"
-    if compressor.sparse or not compressor.fixed_size:
+    if compressor.sparse:
         return "allgather"
     return "two_phase"
 
@@ -351,9 +350,9 @@ def check_algorithm(compressor: Compressor, algorithm: str | None) -> str:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "dense" and not compressor.summable:
         raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
-    if algorithm == "two_phase" and (compressor.sparse or not compressor.fixed_size):
+    if algorithm == "two_phase" and compressor.sparse:
         raise ValueError(
-            f"algorithm 'two_phase' needs a dense, fixed-size payload (quantizers, sign, casts); "
+            f"algorithm 'two_phase' needs a dense payload (quantizers, sign, casts); "
             f"{compressor.name!r} is sparse: use 'allgather'{' or dense' if compressor.summable else ''}"
         )
     return algorithm
@@ -567,21 +566,9 @@ def _decode_sum(
 
 def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, q.rank, stats)
-    size = buffer_size(payload.layout())
-    meta_keys = sorted(payload.meta)
-    if job.compressor.fixed_size:
-        sizes, metas = [size] * q.world_size, [payload.meta] * q.world_size
-    else:
-        # Variable-size payloads: every rank learns every rank's size and meta first.
-        mine = torch.tensor(
-            [size] + [payload.meta[k] for k in meta_keys], dtype=torch.int64, device=flat.device
-        )
-        everyone = torch.empty(q.world_size * mine.numel(), dtype=torch.int64, device=flat.device)
-        _all_gather(everyone, mine, q.group)
-        rows = everyone.view(q.world_size, -1).tolist()
-        sizes = [row[0] for row in rows]
-        metas = [dict(zip(meta_keys, row[1:], strict=True)) for row in rows]
-    width = max(sizes)
+    # Every payload's size follows from numel, dtype and settings: no size exchange.
+    width = buffer_size(payload.layout())
+    metas = [payload.meta] * q.world_size
     gathered = torch.empty(q.world_size * width, dtype=torch.uint8, device=flat.device)
     sent = payload.to_buffer(width)
     exchange = _all_gather_async(gathered, sent, q.group)

@@ -8,8 +8,8 @@ The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
   non-finite flags per block);
 * Top-K: :func:`select_candidates`, a counting kernel and a compaction
   kernel (block offsets from a prefix sum: ascending, deterministic output)
-  that pick ``|y| >= threshold`` and take the candidates out of the residual
-  in the same pass.
+  that pick ``|y| >= threshold`` into a buffer of fixed capacity and take
+  the candidates out of the residual in the same pass.
 """
 
 import torch
@@ -101,12 +101,23 @@ def _magnitude(y):
 
 @triton.jit
 def _count_kernel(
-    x_ptr, residual_ptr, threshold_ptr, counts_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    residual_ptr,
+    threshold_ptr,
+    counts_ptr,
+    numel,
+    blocks,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """Per block, how many magnitudes lie above the threshold (``counts[pid]``)
+    and how many equal it (``counts[blocks + pid]``)."""
     pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
-    selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
-    tl.store(counts_ptr + pid, tl.sum(selected.to(tl.int64), axis=0))
+    magnitude = _magnitude(y)
+    threshold = tl.load(threshold_ptr)
+    tl.store(counts_ptr + pid, tl.sum(((magnitude > threshold) & mask).to(tl.int64), axis=0))
+    tl.store(counts_ptr + blocks + pid, tl.sum(((magnitude == threshold) & mask).to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -118,18 +129,30 @@ def _compact_kernel(
     values_ptr,
     indices_ptr,
     numel,
+    blocks,
+    capacity,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
-    selected = (_magnitude(y) >= tl.load(threshold_ptr)) & mask
-    position = tl.load(starts_ptr + pid) + tl.cumsum(selected.to(tl.int64), axis=0) - 1
-    tl.store(values_ptr + position, y, mask=selected)
-    tl.store(indices_ptr + position, offsets, mask=selected)
+    magnitude = _magnitude(y)
+    threshold = tl.load(threshold_ptr)
+    above = ((magnitude > threshold) & mask).to(tl.int64)
+    equal = ((magnitude == threshold) & mask).to(tl.int64)
+    # Taken: the first `capacity` above the threshold, then as many equal to it
+    # as there is room for, each in index order; written in index order.
+    above_total = tl.load(starts_ptr + blocks)
+    room = capacity - tl.minimum(above_total, capacity)
+    above_before = tl.load(starts_ptr + pid) + tl.cumsum(above, axis=0) - above
+    equal_before = tl.load(starts_ptr + blocks + pid) - above_total + tl.cumsum(equal, axis=0) - equal
+    taken = ((above > 0) & (above_before < capacity)) | ((equal > 0) & (equal_before < room))
+    position = tl.minimum(above_before, capacity) + tl.minimum(equal_before, room)
+    tl.store(values_ptr + position, y, mask=taken)
+    tl.store(indices_ptr + position, offsets, mask=taken)
     if HAS_RESIDUAL:
         # Candidates leave the residual; the caller puts back what it does not send.
-        tl.store(residual_ptr + offsets, tl.where(selected, 0.0, finite_or_zero(y)), mask=mask)
+        tl.store(residual_ptr + offsets, tl.where(taken, 0.0, finite_or_zero(y)), mask=mask)
 
 
 def randk_indices(numel: int, k: int, half_bits: int, keys: list[int], device) -> torch.Tensor:
@@ -181,35 +204,33 @@ def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return flags
 
 
-def select_candidates(x, residual, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values fp32, indices int64)`` of ``|x + residual| >= threshold`` (NaN counts
-    as inf), ascending; candidates leave the residual, the rest of it becomes
-    ``finite(x + residual)``. One host sync: the count."""
+def select_candidates(
+    x, residual, threshold: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values fp32, indices int64, count)``: the candidates whose
+    ``|x + residual|`` (NaN as inf) reaches ``threshold``, at most ``capacity``
+    of them (those above it first, then those equal to it, each in index
+    order), written in index order; ``count`` (a 0-d int64 tensor) is how many
+    reach it. Slots past the count hold garbage. Taken candidates leave the
+    residual; the rest of it becomes ``finite(x + residual)``. No host sync:
+    every size is known in advance."""
     numel = x.numel()
     blocks = triton.cdiv(numel, ELEMENTS_PER_PROGRAM)
     has_residual = residual is not None
     source = residual if has_residual else x
-    counts = torch.empty(blocks, dtype=torch.int64, device=x.device)
-    _count_kernel[(blocks,)](
-        x, source, threshold, counts, numel, HAS_RESIDUAL=has_residual, BLOCK=ELEMENTS_PER_PROGRAM
-    )
-    starts = torch.cumsum(counts, 0) - counts
-    total = int(counts.sum())
-    values = torch.empty(total, dtype=torch.float32, device=x.device)
-    indices = torch.empty(total, dtype=torch.int64, device=x.device)
+    counts = torch.empty(2 * blocks, dtype=torch.int64, device=x.device)
+    options = {"HAS_RESIDUAL": has_residual, "BLOCK": ELEMENTS_PER_PROGRAM}
+    _count_kernel[(blocks,)](x, source, threshold, counts, numel, blocks, **options)
+    # One prefix sum over (above per block, equal per block): where each
+    # block's candidates start among those above, and among those equal
+    # after all those above.
+    ends = torch.cumsum(counts, 0)
+    values = torch.empty(capacity, dtype=torch.float32, device=x.device)
+    indices = torch.empty(capacity, dtype=torch.int64, device=x.device)
     _compact_kernel[(blocks,)](
-        x,
-        source,
-        threshold,
-        starts,
-        values,
-        indices,
-        numel,
-        HAS_RESIDUAL=has_residual,
-        BLOCK=ELEMENTS_PER_PROGRAM,
-        **EXACT,
+        x, source, threshold, ends - counts, values, indices, numel, blocks, capacity, **options, **EXACT
     )
-    return values, indices
+    return values, indices, ends[-1]
 
 
 # ----------------------------------------------------------------------------- scatter-add

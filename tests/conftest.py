@@ -16,16 +16,12 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def misjudge_threshold(monkeypatch):
-    """``misjudge_threshold(k, factor)``: the sampled Top-K threshold for ``k``
-    comes out ``factor`` times too high; a second pass's (another reach) does not."""
+    """``misjudge_threshold(change)``: Top-K's sampled threshold ``t`` comes out as ``change(t)``."""
     from gradcomp.ops import reference
 
     original = reference.threshold_from_sample
 
-    def misjudge(k: int, factor: float) -> None:
-        def misjudged(sample, wanted, numel):
-            return original(sample, wanted, numel) * (factor if wanted == k else 1.0)
-
-        monkeypatch.setattr(reference, "threshold_from_sample", misjudged)
+    def misjudge(change) -> None:
+        monkeypatch.setattr(reference, "threshold_from_sample", lambda *args: change(original(*args)))
 
     return misjudge

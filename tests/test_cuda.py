@@ -429,12 +429,7 @@ def test_compressors_agree_with_the_torch_backend(name, options, monkeypatch):
         residual = torch.zeros(30_000, device=DEVICE) + 0.01
         payload = compressor.compress(x, Context(residual=residual, step=3, key=1))
         residuals[backend], decoded[backend] = residual, compressor.decompress(payload)
-    if name == "topk" and not options:
-        # The sampling path keeps 0.9 k..1.1 k entries where the backend keeps exactly k:
-        # what is kept plus what stays in the residual is the input either way.
-        for backend in ("torch", "cuda"):
-            torch.testing.assert_close(decoded[backend] + residuals[backend], x + 0.01, rtol=0, atol=0)
-        return
+    # Distinct Gaussian magnitudes: the sampling path's result is the exact top-k, as the backend's.
     if name == "sign":
         # Scales are block sums in another order: compare decoded + residual (conservation).
         for backend in ("torch", "cuda"):

@@ -518,56 +518,88 @@ def test_topk_exact_returns_the_k_largest(numel, k):
     assert torch.equal(values.abs().sort(descending=True).values, expected)
 
 
+def sent_entries(values: torch.Tensor, indices: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-padding entries of a sampling-path payload: exactly ``k`` slots,
+    ascending indices first, then (index 0, value 0) padding."""
+    assert values.numel() == k and indices.numel() == k
+    real = (values != 0) | values.isnan()
+    count = int(real.sum())
+    assert bool(real[:count].all()) and not bool(real[count:].any()), "padding before a real entry"
+    assert not bool(indices[count:].any()) and not bool(values[count:].any())
+    indices = indices[:count].long()
+    assert bool((indices[1:] > indices[:-1]).all()), "indices not ascending"
+    return values[:count], indices
+
+
 @pytest.mark.parametrize("numel, ratio", [(10_000, 0.1), (50_000, 0.01), (200_000, 0.01), (200_000, 0.05)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_topk_approximate_is_a_threshold_selection(numel, ratio, seed):
+def test_topk_sampling_path_sends_exactly_the_top_k(numel, ratio, seed):
     x = seeded_randn(numel, seed=seed + 50)
     k = round(ratio * numel)
-    values, indices = ops.topk_select(x, k, seed=seed)
-    assert math.ceil(0.9 * k) <= values.numel() <= math.floor(1.1 * k)
-    assert torch.unique(indices).numel() == indices.numel()
-    assert torch.equal(values, x[indices.long()])
-    unselected = torch.ones(numel, dtype=torch.bool)
-    unselected[indices.long()] = False
-    assert values.abs().min() >= x[unselected].abs().max()
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_topk_too_few_candidates_select_again_lower(monkeypatch, misjudge_threshold, with_residual):
-    # A threshold that selects far fewer than 0.9 k is followed by a second
-    # pass at the same sample's RESCAN_REACH threshold (about 1.25 k reach it),
-    # cut to the k largest: the exact top-k, without the exact path's sort.
-    numel, k = 200_000, 2_000
-    x = seeded_randn(numel, seed=71)
-    residual = seeded_randn(numel, seed=72) * 0.3 if with_residual else None
-    expected_residual = None if residual is None else residual.clone()
-    expected = reference.topk_select(x, k, expected_residual, exact=True)
-    misjudge_threshold(k, 1.5)
-    passes, whole = [], []
-    reaching, magnitude = reference._reaching, reference.selection_magnitude
-    monkeypatch.setattr(reference, "_reaching", lambda *a: passes.append(a[1]) or reaching(*a))
-    monkeypatch.setattr(
-        reference, "selection_magnitude", lambda y: whole.append(y.numel() == numel) or magnitude(y)
-    )
-    values, indices = reference.topk_select(x, k, residual, seed=5)
-    assert len(passes) == 2 and passes[1] < passes[0] and not any(whole)
-    order = expected[1].argsort()
-    assert torch.equal(indices, expected[1][order]) and torch.equal(values, expected[0][order])
-    if residual is not None:
-        assert torch.equal(residual, expected_residual)
+    values, indices = sent_entries(*ops.topk_select(x, k, seed=seed), k)
+    assert indices.numel() == k
+    assert torch.equal(values, x[indices])
+    assert torch.equal(indices, torch.topk(x.abs(), k).indices.sort().values)
 
 
 @pytest.mark.parametrize("numel, k", [(1023, 100), (50_000, 500)])
-def test_topk_approximate_with_ties_keeps_the_count_bound(numel, k):
-    """Tied magnitudes put every element over the threshold; the count must still be near k."""
+def test_topk_ties_at_the_kth_magnitude_go_to_the_lowest_indices(numel, k):
+    """Magnitudes 1 everywhere but three 4s, the last one far past the
+    candidate capacity: every element reaches the threshold, the 4s are
+    ranked first all the same, and the ties take the lowest indices."""
     generator = torch.Generator().manual_seed(numel)
     x = torch.randint(0, 2, (numel,), generator=generator).float() * 2 - 1
-    x[:7] = 4.0
-    values, indices = ops.topk_select(x, k, seed=3)
-    assert math.ceil(0.9 * k) <= values.numel() <= math.floor(1.1 * k)
-    assert torch.unique(indices).numel() == indices.numel()
-    assert set(range(7)) <= set(indices.tolist())
-    assert values.abs().min() == 1.0
+    large = [3, numel // 2, numel - 1]
+    x[large] = 4.0
+    values, indices = sent_entries(*ops.topk_select(x, k, seed=3), k)
+    ties = [i for i in range(k) if i not in large][: k - len(large)]
+    assert torch.equal(indices, torch.tensor(sorted(large + ties)))
+    assert torch.equal(values, x[indices])
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_topk_threshold_too_high_sends_every_candidate_and_pads(misjudge_threshold, with_residual):
+    # A threshold that only 0.7 k reach: all of them are sent, the rest is padding.
+    numel, k = 200_000, 2_000
+    x = seeded_randn(numel, seed=71)
+    residual = seeded_randn(numel, seed=72) * 0.3 if with_residual else None
+    y = x + (0 if residual is None else residual)
+    threshold = torch.topk(y.abs(), round(0.7 * k)).values.min()
+    misjudge_threshold(lambda sampled: threshold)
+    assert reference.sample_threshold(x, residual, k, seed=5) == threshold
+    values, indices = sent_entries(*reference.topk_select(x, k, residual, seed=5), k)
+    assert torch.equal(indices, torch.nonzero(y.abs() >= threshold).view(-1))
+    assert torch.equal(values, y[indices])
+    if residual is not None:
+        expected = y.clone()
+        expected[indices] = 0
+        assert torch.equal(residual, expected)
+
+
+def test_topk_threshold_too_low_ranks_only_the_capacity(misjudge_threshold):
+    # Every element reaches a threshold of 0: only the first candidate_capacity(k)
+    # elements (index order) are ranked, and their k largest are sent.
+    numel, k = 50_000, 500
+    x = seeded_randn(numel, seed=73)
+    capacity = reference.candidate_capacity(k)
+    misjudge_threshold(torch.zeros_like)
+    values, indices = sent_entries(*reference.topk_select(x, k, seed=5), k)
+    expected = torch.topk(x[:capacity].abs(), k).indices.sort().values
+    assert torch.equal(indices, expected) and torch.equal(values, x[expected])
+
+
+@pytest.mark.parametrize("nonzero", [0, 3, 40])
+def test_topk_never_sends_zeros(nonzero):
+    """Fewer non-zeros than k: every one is sent, wherever it lies, and zeros
+    never take the capacity (a threshold of 0 would have filled it with zeros)."""
+    numel, k = 100_000, 50
+    x = torch.zeros(numel)
+    planted = torch.arange(numel - nonzero, numel)
+    x[planted] = seeded_randn(nonzero, seed=74)
+    residual = torch.zeros(numel)
+    values, indices = sent_entries(*ops.topk_select(x, k, residual, seed=5), k)
+    assert torch.equal(indices, planted) and torch.equal(values, x[planted])
+    assert not residual.any()
 
 
 @pytest.mark.parametrize("exact", [True, False])

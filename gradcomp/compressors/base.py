@@ -52,7 +52,10 @@ class Compressor:
     Class facts the collectives read:
         summable: payloads of all ranks add up without decoding (dense all-reduce).
         sparse: payload is much smaller than dense; gathering is best.
-        fixed_size: payload size depends only on numel, dtype and settings.
+
+    A payload's size depends only on numel, dtype and settings
+    (:meth:`payload_layout`): collectives never exchange sizes, which on a
+    GPU would cost a host sync.
 
     Args (common to every compressor):
         feedback: error feedback on or off; None picks the compressor's
@@ -63,7 +66,6 @@ class Compressor:
     name: ClassVar[str] = ""
     summable: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
-    fixed_size: ClassVar[bool] = True
 
     def __init__(self, *, feedback: bool | None = None, seed: int = 0):
         if feedback is not None and not isinstance(feedback, bool):

@@ -53,8 +53,11 @@ class TopK(_Sparse):
     Args:
         ratio: fraction of elements kept (default 0.01), or
         k: number kept (give one of the two).
-        exact: exactly ``k`` elements by a true top-k. The default estimates
-            the k-th magnitude from a sample and keeps between 0.9 k and 1.1 k.
+        exact: rank every element (a true top-k). The default ranks only
+            the candidates that reach a threshold estimated from a sample:
+            the same k elements unless the sample misjudged badly, and
+            exactly ``k`` entries either way (see
+            :func:`gradcomp.ops.reference.topk_select`).
         index_dtype: ``"auto"`` (int32 below 2**31 elements, else int64),
             ``"int32"`` or ``"int64"``.
 
@@ -82,10 +85,6 @@ class TopK(_Sparse):
         self.exact = bool(exact)
         self.index_dtype = index_dtype
 
-    @property
-    def fixed_size(self) -> bool:  # type: ignore[override]
-        return self.exact
-
     def _index_dtype(self, numel: int) -> torch.dtype:
         return INDEX_DTYPES[self.index_dtype] or ops.index_dtype_for(numel)
 
@@ -104,7 +103,7 @@ class TopK(_Sparse):
             index_dtype=self._index_dtype(flat.numel()),
             value_dtype=flat.dtype,
         )
-        return {"indices": indices, "values": values}, {"k": values.numel()}
+        return {"indices": indices, "values": values}, {"k": k}
 
     def _indices(self, payload: Payload) -> torch.Tensor:
         return payload.tensors["indices"]

@@ -2,11 +2,12 @@
 
 * ``topk_select``: a radix select of the exact k-th largest magnitude (three
   histogram passes over the input), then one compaction pass that writes
-  values and indices and updates the residual. Exactly ``k`` entries for
-  ``exact=True`` and ``exact=False`` alike (the sampling path's 0.9 k..1.1 k
-  holds), indices ascending; of the entries tied at the k-th magnitude, those
-  of lowest index are taken. Values, indices and residual are otherwise those
-  of :func:`gradcomp.ops.reference.topk_select` with ``exact=True``.
+  values and indices and updates the residual. The exact top-k for
+  ``exact=True`` and ``exact=False`` alike, indices ascending; of the entries
+  tied at the k-th magnitude, those of lowest index are taken (the sampling
+  path's rule). Where the reference's sampling path sends the exact top-k
+  (unless its sample misjudged badly, and unless fewer than ``k`` entries are
+  non-zero: it pads, this sends zeros) the results are the same.
 * ``sign_compress`` / ``sign_decompress``: signs and residuals bit-exact, the
   block sums added in fp64 in a fixed order (deterministic; within an ulp or
   two of torch's fp32 sums).

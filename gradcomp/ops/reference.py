@@ -31,8 +31,8 @@ import torch
 
 __all__ = [
     "code_bits",
-    "count_band",
-    "cut_to_k",
+    "candidate_capacity",
+    "keep_largest",
     "feistel_permute",
     "sample_positions",
     "sample_threshold",
@@ -503,30 +503,34 @@ def sign_decompress(
 # ----------------------------------------------------------------------------- sparsification
 
 
-# Expected sample elements above the threshold; the selected count's relative
-# spread is about 1 / sqrt(SAMPLE_HITS). Gathering the sample from random
-# positions costs about 30 ns an element on CPU, the largest cost after the
-# selection pass. At 800 (spread 3.5%, measured 3.4% over 400 calls) about one
-# call in 200 selects outside 0.9 k..1.1 k. Above, the cut to k costs a
-# topk over the candidates; below, a second pass at RESCAN_REACH (a lower
-# threshold read from the same sample) takes over, so the exact fallback (a
-# torch.topk over the whole tensor: 0.6 s for 1% of 16M elements on one CPU
-# core) is left for inputs a sample cannot judge.
+# Top-K's sampling path. A seeded sample of |x + residual| gives a threshold
+# that about CANDIDATE_REACH * k elements reach; the candidates that reach it
+# (strictly larger ones first, then those equal to it, each in index order,
+# at most candidate_capacity(k) in all) are ranked, and the k largest of
+# them are sent. With SAMPLE_HITS expected hits at reach 1 the candidate
+# count's relative spread is about 1 / sqrt(1.25 * SAMPLE_HITS) = 3.2%, so
+# it falls below k or above the capacity only when the sample is off by six
+# spreads: the result is then the exact top-k, yet every shape is known
+# before the data is read, which a GPU needs to run without a host sync.
+# Taking the strictly larger candidates first keeps a flood of equal
+# magnitudes (a threshold every element reaches) from crowding out larger
+# ones. Gathering the sample costs about 30 ns an element on CPU, the
+# largest cost after the selection pass.
 SAMPLE_HITS = 800
-RESCAN_REACH = 1.25
+CANDIDATE_REACH = 1.25
+CANDIDATE_CAPACITY = 1.5
+# Zero is never a candidate: a threshold of 0 (more than 1.25 k zeros) would
+# fill the capacity with zeros in index order and leave out the non-zeros.
+SMALLEST_MAGNITUDE = 2.0**-149
 
 
-def count_band(k: int) -> tuple[int, int]:
-    """How many entries the sampling Top-K path may keep: ``0.9 k`` to ``1.1 k``."""
-    return math.ceil(0.9 * k), math.floor(1.1 * k)
+def candidate_capacity(k: int) -> int:
+    """How many candidates the sampling Top-K path ranks at most."""
+    return math.ceil(CANDIDATE_CAPACITY * k)
 
 
 def sample_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor | None:
-    """Positions whose magnitudes estimate the k-th largest (None: use every element).
-
-    ``SAMPLE_HITS`` expected hits in the sample put the selected count within
-    10% of k with 4 standard deviations to spare.
-    """
+    """Positions whose magnitudes estimate the k-th largest (None: use every element)."""
     sample_size = min(numel, max(4096, math.ceil(SAMPLE_HITS * numel / k)))
     if sample_size >= numel:
         return None
@@ -540,21 +544,18 @@ def threshold_from_sample(sample_magnitude: torch.Tensor, k: float, numel: int) 
     return torch.topk(sample_magnitude, sample_k, sorted=False).values.min()
 
 
-def sample_threshold(
-    x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, reach: float = 1.0
-) -> torch.Tensor:
-    """The threshold of :func:`topk_select`'s sampling path, read from ``x`` and
-    ``residual`` at the sampled positions only (``x + residual`` is not formed).
-
-    ``reach`` asks for a threshold about ``reach * k`` elements reach, from the
-    same sample (the positions depend on ``k`` and ``seed`` only)."""
+def sample_threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int) -> torch.Tensor:
+    """The candidate threshold of :func:`topk_select`, read from ``x`` and
+    ``residual`` at the sampled positions only (``x + residual`` is not
+    formed); never below the smallest positive float. A 0-d fp32 tensor."""
     x = x.reshape(-1)
     picks = sample_positions(x.numel(), k, seed, x.device)
     sample = x.float() if picks is None else x[picks].float()
     if residual is not None:
         residual = residual.reshape(-1)
         sample = sample + (residual.float() if picks is None else residual[picks].float())
-    return threshold_from_sample(selection_magnitude(sample), reach * k, x.numel())
+    threshold = threshold_from_sample(selection_magnitude(sample), CANDIDATE_REACH * k, x.numel())
+    return threshold.clamp_min(SMALLEST_MAGNITUDE)
 
 
 def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
@@ -563,10 +564,44 @@ def selection_magnitude(y: torch.Tensor) -> torch.Tensor:
     return y.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
 
 
-def cut_to_k(indices: torch.Tensor, magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest of ascending candidate ``indices`` (with their magnitudes), still ascending."""
-    top = torch.topk(magnitude, k, sorted=False).indices
-    return indices[top.sort().values]
+def keep_largest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` largest entries of ``magnitude``; of those tied at the
+    k-th largest, the first ones. All entries when there are at most ``k``."""
+    if magnitude.numel() <= k:
+        return torch.ones_like(magnitude, dtype=torch.bool)
+    kth = torch.topk(magnitude, k, sorted=False).values.min()
+    above = magnitude > kth
+    tied = magnitude == kth
+    return above | (tied & (tied.cumsum(0) <= k - above.sum()))
+
+
+def _sampled_top_k(x, residual, y, pending, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (ascending) and values in ``y`` of the sampling path's picks, before padding.
+
+    ``y`` is ``x + residual``, or will be once ``pending`` is added."""
+    # Read before the residual is touched: the same bits as y's samples.
+    threshold = sample_threshold(x, residual, k, seed)
+    candidates = _reaching(y, threshold, pending)
+    picked = y.index_select(0, candidates)  # on CPU much faster than y[candidates]
+    magnitude = selection_magnitude(picked)
+    capacity = candidate_capacity(k)
+    if candidates.numel() > capacity:
+        ranked = _within_capacity(magnitude > threshold, capacity)
+        candidates, picked, magnitude = candidates[ranked], picked[ranked], magnitude[ranked]
+    if candidates.numel() <= k:
+        return candidates, picked
+    kept = keep_largest(magnitude, k)
+    return candidates[kept], picked[kept]
+
+
+def _within_capacity(above: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Which of the candidates (in index order; ``above`` the threshold or
+    equal to it) are ranked: those above it first, then those equal, each in
+    index order, ``capacity`` in all."""
+    above_before = above.cumsum(0) - above.long()
+    equal_before = (~above).cumsum(0) - (~above).long()
+    room_for_equal = capacity - min(int(above.sum()), capacity)
+    return torch.where(above, above_before < capacity, equal_before < room_for_equal)
 
 
 def topk_select(
@@ -579,24 +614,29 @@ def topk_select(
     index_dtype: torch.dtype | None = None,
     value_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest-magnitude entries of ``x + residual``; sent entries leave the residual.
+    """The ``k`` largest-magnitude entries of ``x + residual``; sent entries leave the residual.
 
-    ``exact`` returns exactly ``k`` entries (``torch.topk``). Otherwise a
-    threshold estimated from a seeded sample selects between ``0.9 k`` and
-    ``1.1 k`` entries: more than ``1.1 k`` candidates are cut to the exact top
-    ``k`` among them; fewer than ``0.9 k`` are selected again at a lower
-    threshold from the same sample (``RESCAN_REACH``), and if that too gives
-    fewer, the exact path takes over. NaN and inf count as the largest
-    magnitudes.
+    ``exact`` ranks every element (``torch.topk``; ties in no set order).
+    Otherwise the candidates are the entries whose magnitude reaches
+    :func:`sample_threshold`, those above it first, then those equal to it,
+    each in index order, at most :func:`candidate_capacity` of them; of them
+    the ``k`` largest are sent, ties at the k-th magnitude to the first
+    candidate: the exact top-k (ties to the lowest index) unless the sample
+    misjudged badly. Fewer than ``k`` candidates are all sent and the payload
+    is padded with index 0, value 0. Either way the payload has exactly
+    ``k`` entries. NaN and inf count as the largest magnitudes; zero is never
+    a candidate.
 
     Returns:
-        ``(values in value_dtype, indices)``, indices ascending in the sampling
-        path, int32 unless ``numel`` needs int64 (or ``index_dtype`` says
-        otherwise). The residual keeps what rounding to ``value_dtype`` lost.
+        ``(values in value_dtype, indices)``: ``k`` of each, ascending
+        indices (then the padding) in the sampling path, int32 unless
+        ``numel`` needs int64 (or ``index_dtype`` says otherwise). The residual
+        keeps what rounding to ``value_dtype`` lost.
     """
     numel = x.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
+    index_dtype = index_dtype or index_dtype_for(numel)
     # y = x + residual. An fp32 residual becomes y in place, lazily: the
     # sampling path adds x a chunk at a time inside the selection loop.
     if residual is not None and residual.dtype == torch.float32:
@@ -607,25 +647,19 @@ def topk_select(
         if pending is not None:
             y += pending
         indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
+        picked = y.index_select(0, indices)
     else:
-        # Read before the residual is touched: the same bits as y's samples.
-        fewest, most = count_band(k)
-        threshold = sample_threshold(x, residual, k, seed)
-        indices = _reaching(y, threshold, pending)
-        if indices.numel() < fewest:
-            # Rare. y is formed now; its samples have the bits the first threshold read.
-            indices = _reaching(y, sample_threshold(y, None, k, seed, reach=RESCAN_REACH))
-        if indices.numel() > most:
-            indices = cut_to_k(indices, selection_magnitude(y[indices]), k)
-        elif indices.numel() < fewest:
-            indices = torch.topk(selection_magnitude(y), k, sorted=False).indices
-    picked = y[indices]
+        indices, picked = _sampled_top_k(x, residual, y, pending, k, seed)
     values = picked.to(value_dtype)
     # Every selection takes inf and NaN first (up to k of them), so y has a
     # non-finite entry outside the picks only if a pick is non-finite.
     clean = residual is not None and bool(torch.isfinite(picked).all())
     _keep_unsent(residual, y, indices, picked - values.float(), finite=clean)
-    return values, indices.to(index_dtype or index_dtype_for(numel))
+    if indices.numel() < k:
+        padding = k - indices.numel()
+        values = torch.cat([values, values.new_zeros(padding)])
+        indices = torch.cat([indices, indices.new_zeros(padding)])
+    return values, indices.to(index_dtype)
 
 
 def _reaching(y: torch.Tensor, threshold: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:

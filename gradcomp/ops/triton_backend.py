@@ -62,48 +62,36 @@ def topk_select(
     value_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gradcomp.ops.reference.topk_select` with the sampling path on Triton
-    kernels (``exact=True`` stays on ``torch.topk``)."""
+    kernels and fixed-size device ops: no host sync (``exact=True`` stays on
+    ``torch.topk``)."""
     x = x.reshape(-1)
     numel = x.numel()
     if not 0 < k <= numel:
         raise ValueError(f"k must be in [1, {numel}], got {k}")
     residual = residual_view(residual, x.numel(), x.device)
-    options = {"seed": seed, "index_dtype": index_dtype, "value_dtype": value_dtype}
+    index_dtype = index_dtype or reference.index_dtype_for(numel)
     if exact or k == numel:
-        return reference.topk_select(x, k, residual, True, **options)
-    fewest, most = reference.count_band(k)
+        return reference.topk_select(x, k, residual, True, index_dtype=index_dtype, value_dtype=value_dtype)
+    capacity = reference.candidate_capacity(k)
     threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
-    values, indices = kernels.select_candidates(x, residual, threshold)
-    if values.numel() < fewest:
-        # Rare: the sample misjudged the threshold. As the reference does,
-        # select again at a lower threshold from the same sample, then
-        # take the exact path.
-        y = _rebuild(x, residual, values, indices)
-        lower = reference.sample_threshold(y, None, k, seed, reach=reference.RESCAN_REACH)
-        values, indices = kernels.select_candidates(y, residual, lower.reshape(1))
-        if values.numel() < fewest:
-            return reference.topk_select(_rebuild(y, residual, values, indices), k, residual, True, **options)
-    if values.numel() > most:
-        keep = torch.topk(reference.selection_magnitude(values), k, sorted=False).indices.sort().values
-        if residual is not None:
-            dropped = torch.ones(values.numel(), dtype=torch.bool, device=x.device)
-            dropped[keep] = False
-            residual[indices[dropped]] = values[dropped].nan_to_num(0.0, 0.0, 0.0).to(residual.dtype)
-        values, indices = values[keep], indices[keep]
+    values, indices, count = kernels.select_candidates(x, residual, threshold, capacity)
+    # Slots past the count are padding: magnitude -1 ranks them last, and
+    # they carry index 0 and value 0.
+    filled = torch.arange(capacity, device=x.device) < count
+    values = torch.where(filled, values, 0.0)
+    indices = torch.where(filled, indices, 0)
+    kept = reference.keep_largest(torch.where(filled, reference.selection_magnitude(values), -1.0), k)
     sent = values.to(value_dtype)
     if residual is not None:
-        residual[indices] = (values - sent.float()).nan_to_num(0.0, 0.0, 0.0).to(residual.dtype)
-    return sent, indices.to(index_dtype or reference.index_dtype_for(numel))
-
-
-def _rebuild(x, residual, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``x + residual`` (fp32) after a selection, which left it in the residual
-    with the candidates aside (or left ``x`` alone); the residual is zeroed."""
-    y = (x if residual is None else residual).to(torch.float32, copy=True)
-    y[indices] = values
-    if residual is not None:
-        residual.zero_()
-    return y
+        # The residual is 0 at every taken candidate: add back what is not sent.
+        unsent = torch.where(kept, values - sent.float(), values).nan_to_num_(0.0, 0.0, 0.0)
+        residual.index_add_(0, indices, unsent.to(residual.dtype))
+    # Slots are in index order, padding last: the k kept ones go to outputs
+    # 0..k-1 in order, the others to a slot k that is dropped.
+    target = torch.where(kept, kept.cumsum(0) - 1, k)
+    out_values = sent.new_zeros(k + 1).scatter_(0, target, sent)
+    out_indices = indices.new_zeros(k + 1).scatter_(0, target, indices)
+    return out_values[:k], out_indices[:k].to(index_dtype)
 
 
 FUNCTIONS = {

@@ -1,0 +1,80 @@
+"""Every Triton kernel compiles for sm_80 and sm_90 with Triton's own compiler.
+
+The interpreter (what the parity tests use on CPU) accepts code the compiler
+refuses, so this runs :mod:`kernel_compile` in fresh processes, without
+``TRITON_INTERPRET``, one per architecture, each with an empty kernel cache.
+Kernels that must match torch bit for bit (launched with
+``enable_fp_fusion=False``) must also contain no instruction that rounds
+otherwise: no fused multiply-add, no flushed subnormals, no approximations.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).with_name("kernel_compile.py")
+
+
+def compile_records(arches: tuple[int, ...], every: int = 1) -> tuple[list[str], list[dict]]:
+    """(kernels defined, one record per compiled specialization), one process per arch."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment.pop("TRITON_CACHE_DIR", None)
+
+    def run(arch: int) -> list[dict]:
+        command = [sys.executable, str(SCRIPT), "--arch", str(arch), "--every", str(every)]
+        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
+        lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        assert lines, f"no output (exit {result.returncode}):\n{result.stderr[-3000:]}"
+        return lines
+
+    with ThreadPoolExecutor(len(arches)) as pool:
+        outputs = list(pool.map(run, arches))
+    defined = outputs[0][0]["defined_kernels"]
+    return defined, [record for lines in outputs for record in lines[1:]]
+
+
+def check(defined: list[str], records: list[dict]) -> None:
+    failed = [
+        f"{r['case']} / {r['kernel']} (sm_{r['target']}):\n{r['error']}" for r in records if "error" in r
+    ]
+    assert not failed, f"{len(failed)} specializations failed to compile; the first:\n" + failed[0]
+    compiled = {r["kernel"] for r in records}
+    assert set(defined) <= compiled, f"kernels no case compiles: {sorted(set(defined) - compiled)}"
+    control = {r["case"]: r for r in records if r["case"].startswith("control")}
+    assert control["control fused"]["fma"] > 0, "the PTX check cannot see a fused multiply-add"
+    assert control["control exact"]["fma"] == 0
+    inexact = [
+        f"{r['case']} / {r['kernel']}: fma {r['fma']}, ftz {r['ftz']}, approx {r['approximate']}"
+        for r in records
+        if not r["fp_fusion"]
+        and not r["case"].startswith("control")
+        and r["fma"] + r["ftz"] + r["approximate"]
+    ]
+    assert not inexact, "exact kernels with instructions that round otherwise:\n" + "\n".join(inexact[:10])
+
+
+@functools.cache
+def _quick():
+    return compile_records((90,), every=6)
+
+
+def test_a_sixth_of_the_specializations_compile_for_sm90():
+    check(*_quick())
+
+
+@pytest.mark.slow
+def test_every_specialization_compiles_for_sm80_and_sm90():
+    defined, records = compile_records((80, 90))
+    check(defined, records)
+    assert {r["target"] for r in records} == {80, 90}
+    assert any(r["wide"] for r in records), "no 64-bit size was compiled"
