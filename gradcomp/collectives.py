@@ -33,9 +33,11 @@ or decoding garbage.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import copy
 import dataclasses
+import datetime
 import inspect
+import logging
 import math
 import queue
 import threading
@@ -46,11 +48,13 @@ from collections.abc import Callable, Generator, Hashable
 import torch
 import torch.distributed as dist
 
-from gradcomp import ops
+from gradcomp import ops, streams
 from gradcomp.compressors import Compressor, Context, get_compressor, mix_seed
 from gradcomp.compressors.base import check_tensor
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload, buffer_size
+
+logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("dense", "allgather", "two_phase")
 _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
@@ -126,26 +130,25 @@ class CollectiveQueue:
     ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error);
     when ``fn()`` returns a generator (:func:`job_steps`), to the generator's
     return value, and the worker may overlap it with the next job where it
-    yields.
-    CUDA work runs on the submitting thread's current stream, so it is
-    ordered after whatever produced the tensor.
+    yields. CUDA work runs on the worker's own stream, after the work the
+    submitting stream had queued (:mod:`gradcomp.streams`).
 
     After a job fails, every later job fails at once without touching the
     network: the ranks may no longer agree on what comes next, and a rank
     that goes on issuing collectives would hang its peers (or race a
-    ``destroy_process_group`` after the error). :func:`release_queues`
-    starts afresh.
+    ``destroy_process_group`` after the error). This includes a job that had
+    started while the failed one was paused: whether it had started depends
+    on timing, which differs between ranks, so every rank fails it alike.
+    :func:`release_queues` starts afresh.
     """
 
     def __init__(self, group: dist.ProcessGroup):
-        ranks = dist.get_process_group_ranks(group)
-        # A private clone: collectives issued meanwhile on `group` by the
-        # caller's thread cannot interleave with ours.
-        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self.group = clone_group(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
         self.failure: BaseException | None = None
+        self.streams = streams.WorkerStreams()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
@@ -153,14 +156,13 @@ class CollectiveQueue:
     def submit(
         self, fn: Callable[[], object], device: torch.device, writes: torch.Tensor | None = None
     ) -> torch.futures.Future:
-        """Queue ``fn``; ``writes``: the tensor it writes its result into, if any.
+        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any.
 
         A job starts while the one before is paused only if their ``writes``
         share no storage: it must see the result of the one before it.
         """
-        future = new_future(device)
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self._jobs.put((fn, future, stream, writes))
+        future = streams.new_future(device)
+        self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes))
         return future
 
     def close(self) -> None:
@@ -179,65 +181,72 @@ class CollectiveQueue:
                 if paused is not None:
                     self._finish(paused)
                 return
-            fn, future, stream, writes = job
-            if paused is not None and _may_share(paused.writes, writes):
+            if paused is not None and _may_share(paused.writes, job.writes):
                 self._finish(paused)  # the next job reads what this one writes
                 paused = None
-            started = self._start(fn, future, stream, writes)
+            self._start(job)
             if paused is not None:
                 self._finish(paused)
-            paused = None
-            if started.steps is None:
-                self._finish(started)  # after the one before: futures complete in order
+            if job.steps is None:
+                self._finish(job)  # after the one before: futures complete in order
+                paused = None
             else:
-                paused = started
+                paused = job
 
-    def _start(self, fn: Callable[[], object], future: torch.futures.Future, stream, writes) -> _Started:
-        """Run ``fn`` up to its pause or to its end."""
-        started = _Started(future, stream, writes)
+    def _earlier_failure(self) -> RuntimeError:
+        return RuntimeError(
+            f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
+            "call gradcomp.collectives.release_queues() on every rank to start afresh"
+        )
+
+    def _start(self, job: _Started) -> None:
+        """Run ``job`` up to its pause or to its end."""
         if self.failure is not None:
-            started.error = RuntimeError(
-                f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
-                "call gradcomp.collectives.release_queues() on every rank to start afresh"
-            )
-            return started
+            job.error = self._earlier_failure()
+            return
         try:
-            with _on(stream):
-                result = fn()
+            with self.streams.running(job.device, job.ready, job.writes):
+                result = job.fn()
                 if inspect.isgenerator(result):
                     try:
                         next(result)
                     except StopIteration as done:
                         result = done.value
                     else:
-                        started.steps = result
+                        job.steps = result
         except BaseException as error:  # noqa: BLE001 - handed to the waiter
-            self.failure = started.error = error
+            self.failure = job.error = error
         else:
-            started.result = result
-        return started
+            job.result = result
 
-    def _finish(self, started: _Started) -> None:
+    def _finish(self, job: _Started) -> None:
         """Run a paused job to its end; complete its future."""
-        if started.steps is not None:
+        if job.error is None and self.failure is not None:
+            # It started while the failed job was paused, a timing that differs
+            # between ranks: fail it as every rank fails the jobs behind a failure.
+            job.error = self._earlier_failure()
+        elif job.steps is not None:
             try:
-                with _on(started.stream):
-                    started.result = drive(started.steps)
+                with self.streams.running(job.device):
+                    job.result = drive(job.steps)
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
-                self.failure = started.error = error
-        if started.error is not None:
-            started.future.set_exception(started.error)
+                self.failure = job.error = error
+        job.steps = None
+        if job.error is not None:
+            job.future.set_exception(job.error)
             return
-        with _on(started.stream):
-            started.future.set_result(started.result)
+        with self.streams.running(job.device):
+            job.future.set_result(job.result)
 
 
 @dataclasses.dataclass
 class _Started:
-    """A job run up to its pause (``steps`` to resume) or to its end."""
+    """A submitted job; once started, run up to its pause (``steps`` to resume) or to its end."""
 
+    fn: Callable[[], object]
     future: torch.futures.Future
-    stream: object
+    device: torch.device
+    ready: object  # the submitting stream's event (None on CPU)
     writes: torch.Tensor | None
     steps: Generator | None = None
     result: object = None
@@ -251,9 +260,50 @@ def _may_share(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _on(stream):
-    """``torch.cuda.stream(stream)``, or nothing for CPU jobs."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A private group of ``group``'s ranks with its backends, timeout and options.
+
+    Created by the group's ranks only (``use_local_synchronization``). With a
+    device-bound default group (``init_process_group(device_id=...)``),
+    torch would create it by splitting the default group's communicator, a
+    collective over every rank of the job, which the ranks outside ``group``
+    never join: for a group smaller than the job the binding is lifted for
+    the call, and the clone connects on its own, among its ranks.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    options = {"timeout": group_timeout(group), "backend": dist.get_backend_config(group)}
+    nccl = _backend_of(group, "cuda")
+    if nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL":
+        options["pg_options"] = copy.deepcopy(nccl.options)
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None or len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+    default.bound_device_id = None
+    try:
+        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+    finally:
+        default.bound_device_id = bound
+
+
+def _backend_of(group: dist.ProcessGroup, device_type: str):
+    """``group``'s backend object for ``device_type``, or None."""
+    try:
+        return group._get_backend(torch.device(device_type))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``group`` was created with (None where torch does not say:
+    the clone then gets torch's default)."""
+    for device_type in ("cuda", "cpu"):
+        options = getattr(_backend_of(group, device_type), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    logger.warning("gradcomp: cannot read the timeout of process group %s; its clone gets the default", group)
+    return None
 
 
 def drive(steps: Generator):
@@ -304,11 +354,6 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def new_future(device: torch.device) -> torch.futures.Future:
-    """A Future that synchronises CUDA streams when it holds CUDA tensors."""
-    return torch.futures.Future(devices=[device] if device.type == "cuda" else None)
 
 
 def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:

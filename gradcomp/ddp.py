@@ -34,8 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradcomp import ops
-from gradcomp.collectives import Job, ReduceStats, check_algorithm, drive, job_steps, new_future, queue_for
+from gradcomp import ops, streams
+from gradcomp.collectives import Job, ReduceStats, check_algorithm, drive, job_steps, queue_for
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -326,7 +326,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state.step += 1
     if state._restored_layouts is not None and (index != 0 or state._restored_layouts.get(0) != layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
-        future = new_future(buffer.device)
+        future = streams.new_future(buffer.device)
         state._held.append((buffer, layout, future))
         if last:
             q.submit(lambda: _finish_held(state, step, q), buffer.device)
@@ -367,7 +367,9 @@ def register(
     ``options`` holds both :class:`HookState` options (``warmup_steps``,
     ``min_numel``, ``process_group``, ``algorithm``, ``residual_dtype``,
     ``measure_error``, ``history``) and the compressor's own (``ratio``,
-    ``block``, ...).
+    ``block``, ...). The hook reduces over the group the model was built on
+    (``DistributedDataParallel(..., process_group=...)``); a
+    ``process_group`` given here must be that group.
 
     Example:
         >>> state = gradcomp.ddp.register(ddp_model, "topk", ratio=0.01, warmup_steps=50)
@@ -375,6 +377,12 @@ def register(
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
     state_options = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
+    group = state_options.setdefault("process_group", model.process_group)
+    if group is not model.process_group and not (group is None and model.process_group is dist.group.WORLD):
+        raise ValueError(
+            "process_group differs from the group the DistributedDataParallel model reduces over "
+            "(model.process_group): the hook must reduce over the model's group"
+        )
     state = HookState(get_compressor(compressor, **options), **state_options)
     model.register_comm_hook(state, hook)
     return state

@@ -18,22 +18,24 @@ import torch.multiprocessing as mp
 from gradcomp.demo import free_port
 
 
-def _entry(rank: int, world_size: int, port: int, body, args) -> None:
+def _entry(rank: int, world_size: int, port: int, group_timeout: float, body, args) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=group_timeout)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     try:
         body(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(body, world_size: int, *args, timeout: float = 240.0) -> None:
-    """Run ``body(rank, world_size, *args)`` on ``world_size`` Gloo ranks."""
+def run_ranks(body, world_size: int, *args, timeout: float = 240.0, group_timeout: float = 60.0) -> None:
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` Gloo ranks whose
+    default group has ``group_timeout`` seconds."""
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), body, args),
+        args=(world_size, free_port(), group_timeout, body, args),
         nprocs=world_size,
         join=False,
         start_method="spawn",

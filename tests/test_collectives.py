@@ -310,18 +310,19 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
         gate.set()
         assert (first.wait(), then.wait()) == ("H", "I")
         assert events == ["H start", "H finish", "I start", "I finish"]
-    # A job failing after its pause fails alone; the one started meanwhile
-    # completes; later ones fail at once until the queues are released.
+    # A job failing after its pause fails with its error; the one started
+    # meanwhile (on another rank it might not have started yet) and every
+    # later one fail at once, until the queues are released.
     gate.clear()
     submit(lambda: gate.wait(30))
     failing = submit(_paused_job("E", events, fail=True))
-    meanwhile = submit(lambda: "F")
+    meanwhile = submit(_paused_job("F", events))
     gate.set()
     with pytest.raises(ValueError, match="E failed"):
         failing.wait()
-    assert meanwhile.wait() == "F"
-    with pytest.raises(RuntimeError, match="earlier gradcomp collective"):
-        submit(lambda: "G").wait()
+    for later in (meanwhile, submit(lambda: "G")):
+        with pytest.raises(RuntimeError, match="earlier gradcomp collective"):
+            later.wait()
     gradcomp.collectives.release_queues()
 
 
@@ -538,3 +539,63 @@ def _measured_error_is_the_compression_error(rank: int, world_size: int) -> None
 
 def test_measured_error_is_the_compression_error():
     run_ranks(_measured_error_is_the_compression_error, 2)
+
+
+GROUP_TIMEOUT = 5.0
+
+
+def _stalled_peer_raises_within_the_timeout(rank: int, world_size: int, through: str) -> None:
+    import time
+
+    from test_ddp import DDP, make_model, train
+
+    if through == "ddp":
+        model = DDP(make_model(), bucket_cap_mb=0.02)
+        gradcomp.ddp.register(model, "int8", min_numel=0)
+        train(model, rank, world_size, 1)
+    else:
+        gradcomp.all_reduce(torch.ones(4096), "int8")
+    if rank == world_size - 1:
+        time.sleep(3 * GROUP_TIMEOUT)  # stalled: never joins the next collective
+        return
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        if through == "ddp":
+            train(model, rank, world_size, 1)
+        else:
+            gradcomp.all_reduce(torch.ones(4096), "int8")
+    waited = time.monotonic() - start
+    assert waited < GROUP_TIMEOUT + 5.0, (
+        f"raised after {waited:.1f} s, the group's timeout is {GROUP_TIMEOUT} s"
+    )
+
+
+@pytest.mark.parametrize("through", ["all_reduce", "ddp"])
+def test_a_stalled_peer_makes_the_others_raise_within_the_groups_timeout(through):
+    run_ranks(_stalled_peer_raises_within_the_timeout, 3, through, group_timeout=GROUP_TIMEOUT)
+
+
+def _subgroup_with_a_device_bound_default_group(rank: int, world_size: int) -> None:
+    # Subgroups first (every rank), then the default group is marked as bound to
+    # a device, as init_process_group(device_id=...) leaves it. torch then
+    # creates new groups by splitting the default group's communicator, a
+    # collective over every rank: the members alone could not clone their group.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    default = dist.distributed_c10d._get_default_group()
+    bound = torch.device("cpu", 0)
+    default.bound_device_id = bound
+    try:
+        x = _input(rank, 3000, torch.float32)
+        expected = x.clone()
+        dist.all_reduce(expected, group=mine)
+        result = x.clone()
+        gradcomp.all_reduce(result, "none", group=mine, op="sum")
+        assert torch.equal(result, expected)
+        assert default.bound_device_id == bound
+    finally:
+        default.bound_device_id = None
+
+
+def test_subgroups_work_with_a_device_bound_default_group():
+    run_ranks(_subgroup_with_a_device_bound_default_group, 4)

@@ -277,6 +277,25 @@ def test_inf_gradient_on_one_rank_is_seen_by_every_rank():
     run_ranks(_nonfinite_gradients_reach_the_optimizer, 2)
 
 
+def _hook_reduces_over_the_models_group(rank: int, world_size: int) -> None:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, other = pairs[rank // 2], pairs[1 - rank // 2]
+    baseline = DDP(make_model(), bucket_cap_mb=BUCKET_MB, process_group=mine)
+    train(baseline, rank, world_size, 3)
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB, process_group=mine)
+    state = register(model, "none", min_numel=0)
+    assert state.process_group is mine
+    train(model, rank, world_size, 3)
+    # The same as dense DDP over the pair, not an average over all four ranks.
+    assert torch.equal(flat_parameters(model), flat_parameters(baseline))
+    with pytest.raises(ValueError, match="model.process_group"):
+        register(DDP(make_model(), process_group=mine), "int8", process_group=other)
+
+
+def test_hook_reduces_over_the_group_the_model_was_built_on():
+    run_ranks(_hook_reduces_over_the_models_group, 4)
+
+
 def test_register_rejects_bad_arguments():
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         register(make_model(), "int8")

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from gradcomp import streams
+
 __all__ = [
     "code_bits",
     "candidate_capacity",
@@ -821,8 +823,9 @@ def remembered_indices(
     A payload is encoded and then decoded with the same seed (the all-reduce
     decodes the sum right away), and computing the indices costs more than a
     pass over the tensor. Kept per backend, so that no backend hands out what
-    another computed."""
-    key = (backend, numel, k, seed, device)
+    another computed, and per stream, so that no stream reads indices another
+    stream may still be computing (threads share this cache)."""
+    key = (backend, numel, k, seed, device, streams.current_stream_id(device))
     with _RECENT_INDICES_LOCK:
         cached = _RECENT_INDICES.get(key)
     if cached is not None:

@@ -1,0 +1,91 @@
+"""Where a group's collective work runs on a GPU: on the worker's own stream.
+
+The collective worker (:mod:`gradcomp.collectives`) runs every job of a
+group on one thread. On CUDA tensors:
+
+* at submit, the caller's current stream records an event: the point after
+  the work that produced the tensor (DDP's backward kernels for a bucket);
+* the worker's stream waits on that event, and every kernel, collective and
+  wait of the job is issued while the worker's stream is current (NCCL
+  orders its collectives after the current stream and makes it wait on
+  them), so the caller's stream never waits on a collective;
+* the job's future is created with its device and completed with the
+  worker's stream current: ``torch.futures.Future`` records an event there,
+  and whoever waits on the future (DDP's reducer, :meth:`Work.wait`) makes
+  its own current stream wait on that event only;
+* the caller's tensor is marked as used by the worker's stream
+  (``record_stream``), so that the caching allocator cannot hand its memory
+  to another stream before the worker's kernels are done with it.
+
+CPU tensors need none of this: every call here is then a no-op.
+
+Everything CUDA goes through the module attributes ``cuda``, ``Future`` and
+:func:`uses_streams`, which a test can replace with a recording fake to
+check this discipline on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+cuda = torch.cuda
+Future = torch.futures.Future
+
+
+def uses_streams(device: torch.device) -> bool:
+    """Whether work on ``device`` is ordered by streams (CUDA) rather than by the host."""
+    return device.type == "cuda"
+
+
+def new_future(device: torch.device) -> torch.futures.Future:
+    """A future whose waiters synchronise with the stream that completes it."""
+    return Future(devices=[device]) if uses_streams(device) else Future()
+
+
+def submitted(device: torch.device):
+    """An event on the caller's current stream of ``device`` (None without streams)."""
+    if not uses_streams(device):
+        return None
+    event = cuda.Event()
+    event.record(cuda.current_stream(device))
+    return event
+
+
+class WorkerStreams:
+    """The streams of one worker thread, one per device, created on first use."""
+
+    def __init__(self):
+        self._streams: dict[torch.device, object] = {}
+        self._lock = threading.Lock()
+
+    def stream(self, device: torch.device):
+        with self._lock:
+            existing = self._streams.get(device)
+            if existing is None:
+                existing = self._streams[device] = cuda.Stream(device=device)
+            return existing
+
+    @contextlib.contextmanager
+    def running(self, device: torch.device, after=None, tensor: torch.Tensor | None = None):
+        """Within: the worker's stream of ``device`` is current; it first waits on
+        the event ``after`` (from :func:`submitted`), and ``tensor`` (the caller's)
+        is marked as used by it."""
+        if not uses_streams(device):
+            yield
+            return
+        stream = self.stream(device)
+        if after is not None:
+            stream.wait_event(after)
+        if tensor is not None:
+            tensor.record_stream(stream)
+        with cuda.stream(stream):
+            yield
+
+
+def current_stream_id(device: torch.device) -> int | None:
+    """An id of the current stream of ``device`` (None without streams): work
+    cached on one stream must not be read on another before it is done."""
+    return cuda.current_stream(device).stream_id if uses_streams(device) else None

@@ -1,0 +1,203 @@
+"""CUDA stream discipline of the collective worker, checked on CPU against a recording fake.
+
+On a GPU, each group's worker runs its jobs on its own stream
+(:mod:`gradcomp.streams`). Here ``torch.cuda``'s stream and event API is
+replaced by a fake that records, per thread, which stream is current, and
+every aten and c10d op, ``Work.wait`` and stream-to-event wait is logged with
+the stream it would be enqueued on. The CPU tensors then take the same path
+CUDA tensors take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradcomp
+from gradcomp import collectives, streams
+
+WORKER = "gradcomp-collectives"
+
+
+class FakeStream:
+    _ids = itertools.count(1)
+
+    def __init__(self, fake: FakeCuda, name: str):
+        self.fake, self.name, self.stream_id = fake, name, next(self._ids)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.fake.log.append(("wait event", self, event))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeEvent:
+    _ids = itertools.count(1)
+
+    def __init__(self, fake: FakeCuda):
+        self.fake, self.stream, self.id = fake, None, next(self._ids)
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream = stream or self.fake.current_stream()
+        self.fake.log.append(("record", self.stream, self))
+
+    def __repr__(self) -> str:
+        return f"event{self.id}@{self.stream}"
+
+
+class FakeCuda:
+    """``torch.cuda``'s stream and event API, recording; one default stream, a current stream per thread."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.default = FakeStream(self, "default")
+        self._local = threading.local()
+
+    def current_stream(self, device=None) -> FakeStream:
+        return getattr(self._local, "stream", self.default)
+
+    def Stream(self, device=None, priority: int = 0) -> FakeStream:  # noqa: N802 - torch.cuda's name
+        return FakeStream(self, f"stream{len(self.log)}")
+
+    def Event(self, **options) -> FakeEvent:  # noqa: N802 - torch.cuda's name
+        return FakeEvent(self)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        previous = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+
+class Recorder(TorchDispatchMode):
+    """Logs every op with the thread and the fake stream it runs on."""
+
+    def __init__(self, fake: FakeCuda):
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.fake.log.append(("op", self.fake.current_stream(), threading.current_thread().name, str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def install_fake() -> FakeCuda:
+    """Route gradcomp.streams through a FakeCuda for CPU tensors; record the worker's ops too."""
+    fake = FakeCuda()
+    streams.cuda = fake
+    streams.uses_streams = lambda device: True
+
+    class RecordingFuture(torch.futures.Future):
+        """torch's Future with devices, as its C++ side behaves: completion records
+        an event on the completing stream, a wait makes the waiting stream wait on it."""
+
+        def __init__(self, devices=None):
+            super().__init__()
+            self.devices, self.done = devices, None
+            fake.log.append(("future", tuple(devices or ())))
+
+        def set_result(self, result) -> None:
+            self.done = FakeEvent(fake)
+            self.done.record(fake.current_stream())
+            fake.log.append(("complete", fake.current_stream(), threading.current_thread().name))
+            super().set_result(result)
+
+        def wait(self):
+            result = super().wait()
+            fake.current_stream().wait_event(self.done)
+            return result
+
+    streams.Future = RecordingFuture
+    original_record_stream = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda tensor, stream: fake.log.append(("record_stream", stream))
+    original_wait = dist.Work.wait
+
+    def logged_wait(work, *args, **kwargs):
+        fake.log.append(("work wait", fake.current_stream(), threading.current_thread().name))
+        return original_wait(work, *args, **kwargs)
+
+    dist.Work.wait = logged_wait
+    original_run = collectives.CollectiveQueue._run
+
+    def recorded_run(queue):
+        with Recorder(fake):
+            original_run(queue)
+
+    collectives.CollectiveQueue._run = recorded_run
+    fake.restore = lambda: setattr(torch.Tensor, "record_stream", original_record_stream)
+    return fake
+
+
+def check_worker_discipline(fake: FakeCuda, jobs: int) -> FakeStream:
+    """Every op, collective and wait of the worker ran on its one stream, which
+    waited on the submitter's events first; the submitter's stream waited on
+    nothing of gradcomp's. Returns the worker's stream."""
+    worker_ops = [entry for entry in fake.log if entry[0] in ("op", "work wait") and entry[2] == WORKER]
+    assert worker_ops, "the worker ran nothing"
+    worker_streams = {entry[1] for entry in worker_ops}
+    assert len(worker_streams) == 1 and fake.default not in worker_streams, worker_streams
+    (worker,) = worker_streams
+    assert any("c10d" in entry[3] for entry in worker_ops if entry[0] == "op"), "no collective seen"
+    submits = [entry[2] for entry in fake.log if entry[0] == "record" and entry[1] is fake.default]
+    waits = [entry for entry in fake.log if entry[0] == "wait event" and entry[1] is worker]
+    assert len(waits) == jobs and {entry[2] for entry in waits} <= set(submits), (waits, submits)
+    assert ("record_stream", worker) in fake.log
+    completions = [entry for entry in fake.log if entry[0] == "complete"]
+    assert len(completions) >= jobs and all(entry[1] is worker for entry in completions)
+    assert all(devices for kind, *devices in fake.log if kind == "future")
+    return worker
+
+
+def _hook_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
+    from test_ddp import DDP, make_model, train
+
+    model = DDP(make_model(), bucket_cap_mb=0.02)
+    state = gradcomp.ddp.register(model, "int8", min_numel=0)
+    train(model, rank, world_size, 2)  # DDP's bucket rebuild
+    collectives.release_queues()  # the next worker starts under the fake
+    fake = install_fake()
+    train(model, rank, world_size, 1)  # agreement checks
+    fake.log.clear()
+    with Recorder(fake):
+        train(model, rank, world_size, 1)
+    fake.restore()
+    buckets = state.last_stats.buckets
+    check_worker_discipline(fake, jobs=buckets)
+    caller_waits = [entry for entry in fake.log if entry[0] == "wait event" and entry[1] is fake.default]
+    assert not caller_waits, "gradcomp made the backward stream wait"
+
+
+def test_ddp_hook_runs_every_kernel_and_wait_on_the_workers_stream():
+    run_ranks(_hook_runs_on_the_worker_stream, 2)
+
+
+def _all_reduce_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
+    tensor = torch.randn(5000)
+    fake = install_fake()
+    gradcomp.all_reduce(tensor.clone(), "int8")  # agreement check
+    fake.log.clear()
+    with Recorder(fake):
+        work = gradcomp.all_reduce(tensor, "int8", async_op=True)
+        submitted = len(fake.log)
+        work.wait()
+    fake.restore()
+    worker = check_worker_discipline(fake, jobs=1)
+    # Between submit and wait the caller issued nothing; its wait is on the worker's completion event.
+    caller = [entry for entry in fake.log if entry[0] == "op" and entry[2] != WORKER]
+    assert all(fake.log.index(entry) < submitted for entry in caller)
+    (wait,) = [entry for entry in fake.log if entry[0] == "wait event" and entry[1] is fake.default]
+    assert wait[2].stream is worker
+
+
+def test_async_all_reduce_runs_on_the_workers_stream_and_its_wait_on_the_event():
+    run_ranks(_all_reduce_runs_on_the_worker_stream, 2)
