@@ -5,8 +5,10 @@
 // that dtype: fp32 and fp64 with the hardware atomics, fp16 and bf16 with a
 // compare-and-swap on the aligned 32-bit word that holds the element, the sum
 // rounded once like torch's `a + b`. Repeated indices are summed in no fixed
-// order. An index outside [0, numel) stops the kernel (a trap: the launch
-// fails), as torch's device-side assert does, instead of writing out of bounds.
+// order. An index outside [0, numel) is never written; its value is dropped
+// and element 0 becomes NaN, so that the step reads as non-finite (GradScaler
+// skips it) instead of silently wrong. No trap: a trap would end the CUDA
+// context, and the peers of this rank would wait for it until their timeout.
 // A gathered batch of W payloads is one call on the flattened (W * k) indices
 // and values.
 
@@ -43,7 +45,8 @@ __device__ void scatter_add(const Index* indices, const void* values, void* out,
     for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
         const long long index = static_cast<long long>(indices[j]);
         if (index < 0 || index >= numel) {
-            __trap();
+            target[0] = Out::from_float(__int_as_float(0x7fc00000));
+            continue;
         }
         if constexpr (sizeof(Storage) == 2) {
             atomic_add_16_bits<Out>(target + index, addends[j]);

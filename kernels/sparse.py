@@ -237,17 +237,24 @@ def select_candidates(
 
 
 @triton.jit
-def _scatter_add_kernel(indices_ptr, values_ptr, out_ptr, count, BLOCK: tl.constexpr):
+def _scatter_add_kernel(indices_ptr, values_ptr, out_ptr, count, numel, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < count
     index = tl.load(indices_ptr + offsets, mask=mask, other=0).to(tl.int64)
     value = tl.load(values_ptr + offsets, mask=mask, other=0.0)
-    tl.atomic_add(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=mask)
+    inside = (index >= 0) & (index < numel)
+    tl.atomic_add(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=mask & inside)
+    # An index outside the output is dropped and element 0 becomes NaN: the
+    # step reads as non-finite, without a trap (which would end the CUDA
+    # context and leave the peers waiting) or a write out of bounds.
+    outside = tl.max((mask & ~inside).to(tl.int32), axis=0) > 0
+    tl.store(out_ptr, float("nan"), mask=outside)
 
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.scatter_add` (atomic adds:
-    repeated indices are summed in no fixed order)."""
+    repeated indices are summed in no fixed order; an index outside ``out``
+    is dropped and makes element 0 NaN)."""
     indices, values = flat(indices, "indices"), flat(values, "values")
     if indices.numel() != values.numel():
         raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
@@ -255,6 +262,6 @@ def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) 
     if indices.numel():
         grid = (triton.cdiv(indices.numel(), ELEMENTS_PER_PROGRAM),)
         _scatter_add_kernel[grid](
-            indices, values, target, indices.numel(), BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
+            indices, values, target, indices.numel(), target.numel(), BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
         )
     return out

@@ -17,12 +17,17 @@ without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import itertools
 import math
+import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -100,6 +105,84 @@ def test_source_compiles_without_warnings(source, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@functools.cache
+def ptx_entries(family: str) -> dict[str, tuple[list[int], int]]:
+    """Kernel name -> (parameter widths in bytes, most threads a block) of ``csrc/<family>.cu``."""
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / f"{family}.ptx"
+        command = ["nvcc", "--ptx", "-arch=sm_90", "-I", str(ROOT / "csrc"), "-o", str(ptx)]
+        subprocess.run([*command, str(ROOT / "csrc" / f"{family}.cu")], check=True, timeout=300)
+        text = ptx.read_text()
+    entries = {}
+    for match in re.finditer(r"\.entry (\w+)\(([^)]*)\)\s*(\.maxntid (\d+))?", text):
+        widths = [int(bits) // 8 for bits in re.findall(r"\.param \.[us](\d+)", match.group(2))]
+        entries[match.group(1)] = (widths, int(match.group(4) or 1024))
+    return entries
+
+
+def _launcher_cases():
+    """``(op, args, options)`` for every launch the CuPy launchers make, on CPU tensors (nothing runs)."""
+
+    def tensor(numel, dtype=torch.float32):
+        return torch.zeros(numel, dtype=dtype)
+
+    for x_dtype, residual_dtype in itertools.product(
+        cuda_backend.FLOAT_NAMES, [None, *cuda_backend.FLOAT_NAMES]
+    ):
+        x, residual = tensor(5000, x_dtype), None if residual_dtype is None else tensor(5000, residual_dtype)
+        for index_dtype in (torch.int32, torch.int64):
+            yield "topk_select", (x, 50, residual), {"index_dtype": index_dtype}
+            yield "scatter_add", (tensor(50, index_dtype), tensor(50), x), {}
+        for block in (1024, 100):
+            yield "sign_compress", (x, block, residual), {}
+        yield "sign_decompress", (tensor(5000, torch.uint8), tensor(5), 1024, 5000, x), {}
+    for bits in (1, 2, 4):
+        yield "pack_bits", (tensor(5000, torch.uint8), bits), {}
+        yield "unpack_bits", (tensor(5000, torch.uint8), bits, 5000), {}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_every_launch_matches_a_kernel_in_the_sources(monkeypatch):
+    """Names, argument counts and widths, and block sizes of the launches, against
+    the PTX of csrc/; and every kernel there is launched by some case."""
+    launches = []
+    monkeypatch.setattr(cuda_backend, "_launch", lambda device, *launch: launches.append(launch))
+    monkeypatch.setattr(cuda_backend, "_multiprocessors", lambda index: 132)
+    for op, args, options in _launcher_cases():
+        FUNCTIONS[op](*args, **options)
+    launched = set()
+    for family, name, grid, threads, *args in launches:
+        entries = ptx_entries(family)
+        assert name in entries, f"{family}.cu has no kernel {name}"
+        widths, most_threads = entries[name]
+        given = [4 if isinstance(a, numpy.int32) else 8 for a in args]
+        assert all(isinstance(a, (int, numpy.int32)) for a in args), (name, args)
+        assert given == widths, f"{name}: arguments of {given} bytes, the kernel takes {widths}"
+        assert 0 < threads <= most_threads and grid > 0, (name, grid, threads)
+        launched.add(name)
+    unused = {name for family in cuda_backend.FAMILIES for name in ptx_entries(family)} - launched
+    assert not unused, f"kernels no launcher uses: {sorted(unused)}"
+
+
+def test_launcher_constants_are_the_sources():
+    """The Top-K workspace layout and block sizes the launcher assumes are csrc/topk.cu's."""
+
+    def constant(source: str, name: str) -> int:
+        text = (ROOT / "csrc" / source).read_text()
+        value = re.search(rf"constexpr int {name} = ([^;]+);", text).group(1)
+        return eval(
+            value, {}, {"TOPK_LAST_BINS": constant(source, "TOPK_LAST_BINS")} if "BINS" in value else {}
+        )
+
+    first, last = constant("topk.cu", "TOPK_FIRST_BINS"), constant("topk.cu", "TOPK_LAST_BINS")
+    assert cuda_backend.TOPK_THREADS == constant("topk.cu", "TOPK_THREADS")
+    assert cuda_backend.TOPK_CHOOSE_THREADS == constant("topk.cu", "TOPK_CHOOSE_THREADS")
+    assert cuda_backend.TOPK_HISTOGRAM_OFFSETS == (0, first, first + last)
+    assert cuda_backend.TOPK_HISTOGRAM_WORDS == first + 2 * last
+    assert cuda_backend.TOPK_SUFFIX_ENTRIES == constant("topk.cu", "TOPK_SUFFIX_ENTRIES") == last + 1
+    assert cuda_backend.SIGN_MAX_THREADS == constant("sign.cu", "SIGN_MAX_THREADS")
+
+
 def test_every_family_has_a_source():
     assert {source.stem for source in SOURCES} == set(cuda_backend.FAMILIES)
     for family in cuda_backend.FAMILIES:
@@ -118,6 +201,59 @@ def test_topk_chunks_cover_the_input(numel, multiprocessors):
 
 def test_not_available_for_cpu_tensors():
     assert not cuda_backend.is_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "driver, capability, loads, expected",
+    [
+        (13000, (9, 0), True, None),
+        (12080, (9, 0), True, "the driver supports CUDA 12.8, CuPy needs CUDA 13.0"),
+        (13000, (7, 5), True, "compute capability 7.5 is older than the fatbins' sm_80"),
+        (13000, (9, 0), False, "the kernels do not load (no kernel image is available)"),
+    ],
+)
+def test_availability_checks_driver_architecture_and_loading(
+    monkeypatch, caplog, driver, capability, loads, expected
+):
+    """A GPU the kernels cannot run on turns the backend off, with the reason
+    logged, and the ops fall back to Triton instead of failing at launch."""
+
+    class Runtime:
+        driverGetVersion = staticmethod(lambda: driver)  # noqa: N815 - CuPy's names
+        runtimeGetVersion = staticmethod(lambda: 13000)  # noqa: N815
+
+    class FakeCupy:
+        class cuda:  # noqa: N801 - CuPy's name
+            runtime = Runtime
+
+    def load(family, name, index):
+        if not loads:
+            raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(cuda_backend, "_cupy", lambda: FakeCupy)
+    monkeypatch.setattr(cuda_backend, "_function", load)
+    monkeypatch.setattr(cuda_backend, "_fatbin", lambda family: Path("built.fatbin"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    cuda_backend.unavailable_reason.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="gradcomp.ops.cuda_backend"):
+            assert cuda_backend.is_available(torch.device("cuda", 0)) == (expected is None)
+            assert cuda_backend.unavailable_reason(0) == expected
+        assert (expected in caplog.text) if expected else not caplog.text
+        # As if CuPy were installed: the backend is registered, and passed over.
+        monkeypatch.setitem(ops._REGISTRY, "cuda", (cuda_backend.is_available, cuda_backend.FUNCTIONS))
+        if expected is None:
+            assert ops.implementation("sign_compress", torch.device("cuda", 0)) is FUNCTIONS["sign_compress"]
+        else:
+            pytest.importorskip("triton")
+            chosen = ops.implementation("sign_compress", torch.device("cuda", 0))
+            assert chosen is not cuda_backend.FUNCTIONS["sign_compress"]
+            monkeypatch.setenv("GRADCOMP_BACKEND", "cuda")
+            with pytest.raises(RuntimeError, match=expected.split("(")[0].strip()):
+                ops.implementation("sign_compress", torch.device("cuda", 0))
+    finally:
+        cuda_backend.unavailable_reason.cache_clear()
 
 
 # ----------------------------------------------------------------------------- Top-K
@@ -362,6 +498,16 @@ def test_scatter_add_distinct_indices_is_bit_exact(out_dtype, index_dtype):
     view = base.clone()[1:]
     expected = reference.scatter_add(indices[indices < 10_000], values[indices < 10_000], view.clone())
     assert_same(expected, FUNCTIONS["scatter_add"](indices[indices < 10_000], values[indices < 10_000], view))
+
+
+@on_gpu
+@pytest.mark.parametrize("out_dtype", [*DTYPES, torch.float64])
+def test_scatter_add_outside_the_output_makes_element_0_nan_and_the_context_lives(out_dtype):
+    out = torch.zeros(10, dtype=out_dtype, device=DEVICE)
+    indices = torch.tensor([1, 12, 3, -1], device=DEVICE)
+    FUNCTIONS["scatter_add"](indices, torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEVICE), out)
+    torch.cuda.synchronize()  # a trap would raise here, and every later CUDA call too
+    assert out[0].isnan() and out[1] == 1 and out[3] == 3 and not out[4:].any()
 
 
 @on_gpu

@@ -322,6 +322,15 @@ def test_scatter_add_sums_repeats():
     assert_same(expected, triton_ops.FUNCTIONS["scatter_add"](indices, values, out.clone()))
 
 
+def test_scatter_add_outside_the_output_makes_element_0_nan():
+    out = torch.zeros(10, device=DEVICE)
+    indices = torch.tensor([1, 12, 3, -1], device=DEVICE)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEVICE)
+    triton_ops.FUNCTIONS["scatter_add"](indices, values, out)
+    assert out[0].isnan()
+    assert torch.equal(out[1:].cpu(), torch.tensor([1.0, 0, 3.0, 0, 0, 0, 0, 0, 0]))
+
+
 # ----------------------------------------------------------------------------- public API
 
 

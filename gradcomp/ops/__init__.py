@@ -66,6 +66,15 @@ def _load_optional(name: str) -> None:
     _REGISTRY[name] = (module.is_available, dict(module.FUNCTIONS))
 
 
+def _unavailable_reason(name: str, device: torch.device) -> str | None:
+    """What an optional backend says about why it cannot run on a CUDA ``device``, if it says."""
+    module = importlib.import_module(_OPTIONAL[name][0]) if name in _OPTIONAL else None
+    explain = getattr(module, "unavailable_reason", None)
+    if explain is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return explain(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def register_backend(
     name: str, is_available: Callable[[torch.device], bool], functions: dict[str, Callable]
 ) -> None:
@@ -114,7 +123,11 @@ def implementation(op: str, device: torch.device) -> Callable:
         if op not in functions:
             raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it has no {op!r} op")
         if not is_available(device):
-            raise RuntimeError(f"GRADCOMP_BACKEND={forced} requested but it cannot run on {device}")
+            reason = _unavailable_reason(forced, device)
+            raise RuntimeError(
+                f"GRADCOMP_BACKEND={forced} requested but it cannot run on {device}"
+                + (f": {reason}" if reason else "")
+            )
         return functions[op]
     for name in BACKEND_PREFERENCE:
         if device.type not in _AUTOMATIC_DEVICES.get(name, ()):

@@ -31,12 +31,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import numpy
 import torch
 
 from gradcomp.ops import reference
+
+logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SOURCE_DIR = PACKAGE_DIR.parent / "csrc"
@@ -113,9 +116,69 @@ def kernels_found() -> bool:
 
 
 def is_available(device: torch.device) -> bool:
-    """True for CUDA devices when CuPy imports and the kernels can be found."""
+    """True for CUDA devices where the kernels load: see :func:`unavailable_reason`."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.is_available() and kernels_found() and _cupy() is not None
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return unavailable_reason(torch.cuda.current_device() if device.index is None else device.index) is None
+
+
+# Compute capabilities the fatbins run on: SASS for sm_80 (and the rest of 8.x)
+# and sm_90, PTX of compute_90 for newer GPUs (setup.py's default).
+OLDEST_CAPABILITY = (8, 0)
+
+
+@functools.cache
+def unavailable_reason(device_index: int) -> str | None:
+    """Why the kernels cannot run on GPU ``device_index`` (None when they can).
+
+    Checked once per device, and logged: CuPy loads, the driver is at least
+    as new as the CUDA runtime CuPy was built for, the GPU is new enough for
+    the built fatbins, and one kernel of every family loads. Ops then fall
+    back to the next backend instead of failing at the first launch.
+    """
+    reason = _find_unavailable_reason(device_index)
+    if reason is not None:
+        logger.warning(
+            "gradcomp: the cuda backend is off on cuda:%d: %s; Triton runs its ops", device_index, reason
+        )
+    return reason
+
+
+def _find_unavailable_reason(device_index: int) -> str | None:
+    cupy = _cupy()
+    if cupy is None:
+        return "CuPy is not installed or cannot load its CUDA libraries (pip install 'gradcomp[cuda]')"
+    if not kernels_found():
+        return f"no fatbins under {PACKAGE_DIR} and no sources under {SOURCE_DIR}"
+    try:
+        driver, runtime = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as error:  # noqa: BLE001 - any CUDA error means: not usable
+        return f"CuPy cannot query the CUDA driver ({error})"
+    if driver < runtime:
+        return f"the driver supports CUDA {_version(driver)}, CuPy needs CUDA {_version(runtime)}"
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability < OLDEST_CAPABILITY and all(_fatbin(family) is not None for family in FAMILIES):
+        return f"compute capability {capability[0]}.{capability[1]} is older than the fatbins' sm_80"
+    try:
+        for family, kernel in LOAD_CHECK.items():
+            _function(family, kernel, device_index)
+    except Exception as error:  # noqa: BLE001 - any load or compile error means: not usable
+        return f"the kernels do not load ({error})"
+    return None
+
+
+def _version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+# One kernel of each family, loaded by unavailable_reason.
+LOAD_CHECK = {
+    "topk": "topk_choose_digit",
+    "sign": "sign_decompress_float32",
+    "bits": "pack_bits",
+    "scatter": "scatter_add_float32_int64",
+}
 
 
 @functools.cache
@@ -424,9 +487,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.scatter_add` with atomic adds (repeated
-    indices summed in no fixed order). An index outside ``out`` makes the launch
-    fail, as in torch. ``W`` ranks' payloads gathered into ``(W, k)`` tensors are
-    decoded by one call on them."""
+    indices summed in no fixed order). An index outside ``out`` is dropped and
+    makes element 0 NaN (a trap would end the CUDA context). ``W`` ranks'
+    payloads gathered into ``(W, k)`` tensors are decoded by one call on them."""
     indices = _flat(indices)
     if indices.dtype not in INDEX_CODES:
         indices = indices.long()

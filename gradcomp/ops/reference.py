@@ -877,7 +877,11 @@ def randk_select(
 
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out.view(-1)[indices] += values`` with repeated indices summed; returns ``out``."""
+    """``out.view(-1)[indices] += values`` with repeated indices summed; returns ``out``.
+
+    An index outside ``out`` raises here; the GPU kernels, which cannot raise
+    without a host sync or a trap that ends the CUDA context, drop its value
+    and make element 0 NaN instead."""
     flat = out.view(-1)
     flat.index_add_(0, indices.long(), values.to(flat.dtype))
     return out
