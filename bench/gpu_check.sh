@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# GPU check, one script for one GPU (about 5 minutes on an H200, 7.5 at most):
+# GPU check, one script for one GPU (every step has a timeout; 7.5 minutes at most):
 #   1. parity of every GPU implementation against the torch reference:
 #      tests/test_triton.py (real Triton kernels, no interpreter) and
 #      tests/test_cuda.py (the CUDA kernels of csrc/, compiled with NVRTC);
-#   2. throughput of every op per backend against a device-to-device copy,
-#      and CUDA Top-K against torch.topk (bench/kernels.py, 1M..256M elements).
+#   2. the DDP hook end to end (bench/gpu_ddp.py): one rank over NCCL and two
+#      ranks over Gloo on CUDA tensors, against the torch backend, and one step
+#      profiled: which streams gradcomp's kernels ran on, how much they
+#      overlapped the backward pass's kernels;
+#   3. throughput of every op per backend against a device-to-device copy,
+#      and CUDA Top-K against torch.topk (bench/kernels.py, 1M..64M elements).
 # Usage: bash bench/gpu_check.sh [OUTPUT_DIR]   (default bench/results)
 # Needs torch with CUDA, triton, cupy and pytest; installs nothing.
 set -uo pipefail
@@ -37,19 +41,21 @@ export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 
 cd "$tree"
 # The slow-marked tests run CPU ranks through Triton's interpreter: not a GPU check.
-timeout 160 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py 2>&1 \
+timeout 110 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" tests/test_triton.py 2>&1 \
   | tee "$out/gpu_check-parity.txt"
 parity=${PIPESTATUS[0]}
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$out/gpu_check-cuda.txt"
 cuda=${PIPESTATUS[0]}
+timeout 150 python3 "$repo/bench/gpu_ddp.py" --out "$out" 2>&1 | tee "$out/gpu_check-ddp.txt"
+ddp=${PIPESTATUS[0]}
 cd "$repo"
 
-timeout 170 python3 bench/kernels.py 2>&1 | tee "$out/gpu_check-kernels.txt"
+timeout 110 python3 bench/kernels.py --sizes 1M,16M,64M 2>&1 | tee "$out/gpu_check-kernels.txt"
 bench=${PIPESTATUS[0]}
 if [ "$out" != "$repo/bench/results" ]; then
   cp bench/results/kernels-*.csv bench/results/kernels-*.json "$out/" 2>/dev/null
 fi
 rm -rf "$tree"
-echo "gpu_check: triton parity exit $parity, cuda parity exit $cuda, kernels bench exit $bench"
-[ "$parity" -eq 0 ] && [ "$cuda" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu_check: triton parity exit $parity, cuda parity exit $cuda, ddp exit $ddp, kernels bench exit $bench"
+[ "$parity" -eq 0 ] && [ "$cuda" -eq 0 ] && [ "$ddp" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -36,12 +36,14 @@ import atexit
 import copy
 import dataclasses
 import datetime
+import functools
 import inspect
 import logging
 import math
 import queue
 import threading
 import time
+import typing
 import zlib
 from collections.abc import Callable, Generator, Hashable
 
@@ -410,10 +412,15 @@ def key_of(name: Hashable) -> int:
     return zlib.crc32(repr(name).encode())
 
 
+def chunk_length(numel: int, parts: int, align: int) -> int:
+    """The length of :func:`chunk_bounds`' ranges (but the last non-empty one)."""
+    return math.ceil(math.ceil(numel / align) / parts) * align
+
+
 def chunk_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges covering ``numel``, each a multiple of ``align``
-    long except the last non-empty one; trailing ranges may be empty."""
-    chunk = math.ceil(math.ceil(numel / align) / parts) * align
+    """``parts`` contiguous ranges covering ``numel``, each ``chunk_length`` long
+    (a multiple of ``align``) except the last non-empty one; trailing ranges may be empty."""
+    chunk = chunk_length(numel, parts, align)
     return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(parts)]
 
 
@@ -476,25 +483,33 @@ class _Timer:
         self.stats.compress_seconds += time.perf_counter() - self.start
 
 
-def _compress_measured(
-    job: Job, flat: torch.Tensor, residual: torch.Tensor | None, key: int, rank: int, stats: ReduceStats
-) -> Payload:
-    """Compress ``flat`` (with ``residual``), adding time and error to ``stats``."""
+def _measured(job: Job, stats: ReduceStats, flat: torch.Tensor, residual, encode, decode):
+    """``encode()`` of ``flat`` (with ``residual``), its time and, with
+    ``measure_error``, its error added to ``stats``; ``decode()`` gives the
+    decoded tensor, needed only to measure a compression without feedback."""
     with _Timer(stats):
-        reference_sq = None
-        if job.measure_error and residual is not None:
-            reference_sq = _square_sum(flat, residual)
-        payload = job.compressor.compress(flat, Context(residual, job.step, key, rank))
+        reference_sq = _square_sum(flat, residual) if job.measure_error and residual is not None else None
+        encoded = encode()
         if job.measure_error:
             if residual is not None:
                 error_sq = _square_sum(residual)
             else:
-                decoded = job.compressor.decompress(payload)
-                error_sq = _square_sum(decoded, flat, subtract=True)
-                reference_sq = _square_sum(flat)
+                error_sq, reference_sq = _square_sum(decode(), flat, subtract=True), _square_sum(flat)
             stats.error_sq = (0.0 if math.isnan(stats.error_sq) else stats.error_sq) + error_sq
             stats.input_sq = (0.0 if math.isnan(stats.input_sq) else stats.input_sq) + reference_sq
-    return payload
+    return encoded
+
+
+def _compress_measured(job: Job, flat: torch.Tensor, residual, rank: int, stats: ReduceStats) -> Payload:
+    """The payload of ``flat`` (with ``residual``), time and error added to ``stats``."""
+    compressor, context = job.compressor, Context(residual, job.step, job.key, rank)
+    holder = []
+
+    def encode():
+        holder.append(compressor.compress(flat, context))
+        return holder[0]
+
+    return _measured(job, stats, flat, residual, encode, lambda: compressor.decompress(holder[0]))
 
 
 def _square_sum(a: torch.Tensor, b: torch.Tensor | None = None, subtract: bool = False) -> float:
@@ -549,7 +564,7 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
 
 
 def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
-    payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, 0, stats)
+    payload = _compress_measured(job, flat, _residual(job, job.key, flat), 0, stats)
     with _Timer(stats):
         job.compressor.decompress(payload, out=flat)
 
@@ -573,7 +588,7 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
         flat.div_(first)
         if residual is not None:
             residual.div_(first)
-    payload = _compress_measured(job, flat, residual, job.key, q.rank, stats)
+    payload = _compress_measured(job, flat, residual, q.rank, stats)
     if residual is not None and first > 1:
         residual.mul_(first)
     for wire in payload.tensors.values():
@@ -583,133 +598,135 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
         job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
 
 
-def _decode_sum(
-    compressor: Compressor,
-    buffers: list[torch.Tensor],
-    metas: list[dict[str, int]],
-    numel: int,
-    dtype: torch.dtype,
-    op: str,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sum (or mean) of the payloads in ``buffers`` (rank order, so every rank gets
-    the same bits), in fp32: into ``out`` (fp32) if given, else a new tensor.
-
-    A mean divides each sparse payload's values before they are added (see
-    :func:`_divides_values`), the sum of any other."""
-    total = torch.zeros(numel, dtype=torch.float32, device=buffers[0].device) if out is None else out.zero_()
-    divide = len(buffers) if op == "avg" else 1
-    at_decode = _divides_values(compressor, total.dtype)
-    for buffer, meta in zip(buffers, metas, strict=True):
-        layout = compressor.payload_layout(numel, dtype, meta)
-        payload = Payload.from_buffer(buffer, layout, torch.Size([numel]), dtype, meta)
-        compressor.decompress(payload, out=total, accumulate=True, divisor=divide if at_decode else 1)
-    if divide > 1 and not at_decode:
-        total /= divide
-    return total
-
-
 def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
-    payload = _compress_measured(job, flat, _residual(job, job.key, flat), job.key, q.rank, stats)
+    """Gather every rank's payload of the whole tensor, decode and add them in
+    rank order (every rank gets the same bits)."""
+    payload = _compress_measured(job, flat, _residual(job, job.key, flat), q.rank, stats)
     # Every payload's size follows from numel, dtype and settings: no size exchange.
     width = buffer_size(payload.layout())
-    metas = [payload.meta] * q.world_size
-    gathered = torch.empty(q.world_size * width, dtype=torch.uint8, device=flat.device)
-    sent = payload.to_buffer(width)
-    exchange = _all_gather_async(gathered, sent, q.group)
+    gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
+    exchange = _all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
     stats.bytes_sent += width * (q.world_size - 1)
     yield  # every collective of this job is issued: the next job may start
     exchange.wait()
     with _Timer(stats):
-        buffers = [gathered[r * width : (r + 1) * width] for r in range(q.world_size)]
-        # An fp32 tensor takes the sum directly; others get it rounded once at the end.
-        into = flat if flat.dtype == torch.float32 else None
-        total = _decode_sum(job.compressor, buffers, metas, flat.numel(), flat.dtype, job.op, into)
-        if into is None:
-            flat.copy_(total)
+        divisor = q.world_size if job.op == "avg" else 1
+        job.compressor.decompress_sum(gathered, flat.dtype, flat, meta=payload.meta, divisor=divisor)
 
 
-# Two-phase all-reduces of long tensors run as a pipeline of segments, so that
-# compressing one segment overlaps the exchange of the one before. A rank's
-# chunk is cut into segments of at least SEGMENT_ELEMENTS (about 1 MB of int8
-# payload, far above a collective's latency), at most MAX_SEGMENTS of them.
+# Two-phase all-reduces of long CPU tensors run as a pipeline of segments,
+# so that compressing one segment overlaps the exchange of the one before
+# (Gloo moves bytes while the host compresses). A segment holds at least
+# SEGMENT_ELEMENTS per rank (about 1 MB of int8 payload, far above a
+# collective's latency), and there are at most MAX_SEGMENTS. On a GPU the
+# worker queues every kernel of a job without waiting for any, so segments
+# would only add launches: it takes one.
 SEGMENT_ELEMENTS = 2**20
 MAX_SEGMENTS = 16
+# Random streams of the two compressions of a two-phase segment.
+_SENDER, _OWNER = 0, 1
 
 
-def _segments(start: int, end: int, parts: int, align: int) -> list[tuple[int, int]]:
-    return [(start + a, start + b) for a, b in chunk_bounds(end - start, parts, align)]
+def two_phase_segments(
+    numel: int, world_size: int, align: int, device: torch.device
+) -> list[tuple[int, int]]:
+    """The segments of a two-phase all-reduce: whole multiples of ``world_size * align``
+    elements but the last."""
+    parts = 1 if device.type != "cpu" else max(1, min(MAX_SEGMENTS, numel // (world_size * SEGMENT_ELEMENTS)))
+    return [(start, end) for start, end in chunk_bounds(numel, parts, world_size * align) if end > start]
 
 
 def _two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
     """Reduce-scatter of compressed chunks, decode, recompress, all-gather.
 
-    Rank ``j`` owns chunk ``j`` of :func:`chunk_bounds`. Each chunk is cut
-    into the same number of block-aligned segments; segment ``s`` of every
-    chunk travels in the ``s``-th all-to-all and all-gather, issued
-    asynchronously so that the collectives of one segment overlap the
-    compression and decoding of the next. Blocks never straddle a segment, so
-    the decoded values are those of unsegmented chunks.
+    Each segment (:func:`two_phase_segments`) is cut into ``world_size``
+    block-aligned chunks (:func:`chunk_bounds`); rank ``j`` owns chunk ``j``
+    of every segment and keeps the owner's residual of what it owns. The
+    payloads of a segment travel as rows of one buffer (one payload a chunk):
+    an all-to-all gives each rank every rank's payload of its chunk, which
+    it decodes and adds in rank order, recompresses with its owner's residual
+    and all-gathers; every rank then decodes the gathered rows into place.
+    Collectives are issued asynchronously, so that one segment's exchange
+    overlaps the next one's compression. Blocks never straddle a chunk: the
+    decoded values do not depend on the segments.
     """
     compressor, world, rank = job.compressor, q.world_size, q.rank
     align = getattr(compressor, "block", 1)
-    bounds = chunk_bounds(flat.numel(), world, align)
-    parts = max(1, min(MAX_SEGMENTS, (bounds[0][1] - bounds[0][0]) // SEGMENT_ELEMENTS))
-    pieces = [_segments(start, end, parts, align) for start, end in bounds]  # pieces[j][s]
+
+    def size(count: int) -> int:
+        return buffer_size(compressor.payload_layout(count, flat.dtype, {})) if count else 0
+
+    segments = []
+    for start, end in two_phase_segments(flat.numel(), world, align, flat.device):
+        chunk = chunk_length(end - start, world, align)
+        own_start, own_end = chunk_bounds(end - start, world, align)[rank]
+        sizes = [size(b - a) for a, b in chunk_bounds(end - start, world, align)]
+        segments.append(_Segment(start, end, chunk, own_end - own_start, sizes))
     residual = _residual(job, job.key, flat)
-    own_start, own_end = bounds[rank]
-    server_residual = _residual(job, ("two_phase", job.key), flat[own_start:own_end])
-
-    def layout(start: int, end: int):
-        return compressor.payload_layout(end - start, flat.dtype, {})
-
-    def compress_piece(start: int, end: int, piece_residual, seed: int) -> Payload:
-        return _compress_measured(job, flat[start:end], piece_residual, seed, rank, stats)
-
-    # Phase 1: compress segment s of every chunk (with its slice of the
-    # residual) and start the exchange that gives rank j everyone's chunk j.
+    owner_residual = _residual(job, ("two_phase", job.key), flat[: sum(seg.owned for seg in segments)])
+    # Phase 1: every chunk of a segment compressed into a row of its own; the
+    # all-to-all gives rank j every rank's row j.
     exchanges = []
-    for s in range(parts):
-        # Each piece's payload goes straight into its slice of the send buffer.
-        in_splits = [buffer_size(layout(*pieces[j][s])) for j in range(world)]
-        sent = torch.empty(sum(in_splits), dtype=torch.uint8, device=flat.device)  # alive until sent
-        for j, piece_buffer in enumerate(sent.split(in_splits)):
-            start, end = pieces[j][s]
-            chunk_residual = None if residual is None else residual[start:end]
-            payload = compress_piece(start, end, chunk_residual, mix_seed(job.key, j, s))
-            payload.to_buffer(out=piece_buffer)
-        mine = in_splits[rank]
-        received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
-        work = dist.all_to_all_single(received, sent, [mine] * world, in_splits, group=q.group, async_op=True)
-        exchanges.append((work, received, mine, sent))
-        stats.bytes_sent += sum(in_splits) - mine
-    # Phase 2: sum the own segment, recompress it with its own residual, start gathering it.
-    gathers = []
-    for s, (work, received, mine, _) in enumerate(exchanges):
-        work.wait()
-        start, end = pieces[rank][s]
-        with _Timer(stats):
-            received_pieces = [received[r * mine : (r + 1) * mine] for r in range(world)]
-            reduced = _decode_sum(compressor, received_pieces, [{}] * world, end - start, flat.dtype, job.op)
-            reduced = reduced.to(flat.dtype)
-            own_residual = None
-            if server_residual is not None:
-                own_residual = server_residual[start - own_start : end - own_start]
-            context = Context(own_residual, job.step, mix_seed(job.key, world + rank, s), rank)
-            width = max(buffer_size(layout(*pieces[j][s])) for j in range(world))
-            own = compressor.compress(reduced, context).to_buffer(width)
-        gathered = torch.empty(world * width, dtype=torch.uint8, device=flat.device)
-        gathers.append((_all_gather_async(gathered, own, q.group), gathered, width, own))
+    for s, seg in enumerate(segments):
+        sent = torch.empty(world, seg.sizes[0], dtype=torch.uint8, device=flat.device)  # alive until sent
+        part, part_residual = (
+            flat[seg.start : seg.end],
+            None if residual is None else residual[seg.start : seg.end],
+        )
+        context = Context(part_residual, job.step, mix_seed(job.key, s, _SENDER), rank)
+        encode = functools.partial(compressor.compress_rows, part, seg.chunk, sent, context)
+        decode = functools.partial(_decoded_rows, compressor, sent, part, seg.chunk)
+        _measured(job, stats, part, part_residual, encode, decode)
+        received = torch.empty(world, seg.sizes[rank], dtype=torch.uint8, device=flat.device)
+        splits = ([seg.sizes[rank]] * world, seg.sizes)
+        exchange = dist.all_to_all_single(
+            received.view(-1), sent.view(-1)[: sum(seg.sizes)], *splits, group=q.group, async_op=True
+        )
+        exchanges.append((exchange, received, sent))
+        stats.bytes_sent += sum(seg.sizes) - seg.sizes[rank]
+    # Phase 2: the own chunk of every segment: every rank's payload decoded and
+    # added, recompressed with the owner's residual, all-gathered.
+    gathers, owned = [], 0
+    for s, (seg, (exchange, received, _)) in enumerate(zip(segments, exchanges, strict=True)):
+        exchange.wait()
+        width = seg.sizes[0]
+        own = torch.empty(1, width, dtype=torch.uint8, device=flat.device)
+        if seg.sizes[rank] < width:
+            own.zero_()  # the all-gather sends the whole width
+        if seg.owned:
+            with _Timer(stats):
+                reduced = torch.empty(seg.owned, dtype=flat.dtype, device=flat.device)
+                divisor = world if job.op == "avg" else 1
+                compressor.decompress_sum(received, flat.dtype, reduced, divisor=divisor)
+                own_residual = None if owner_residual is None else owner_residual[owned : owned + seg.owned]
+                context = Context(own_residual, job.step, mix_seed(job.key, s, _OWNER), rank)
+                compressor.compress_rows(reduced, seg.chunk, own, context)
+            owned += seg.owned
+        gathered = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
+        gathers.append((_all_gather_async(gathered.view(-1), own.view(-1), q.group), gathered, own))
         stats.bytes_sent += width * (world - 1)
-    # Phase 3: decode every rank's segment into place.
-    for s, (work, gathered, width, _) in enumerate(gathers):
-        work.wait()
+    # Phase 3: every rank's chunk decoded into place.
+    for seg, (gather, gathered, _) in zip(segments, gathers, strict=True):
+        gather.wait()
         with _Timer(stats):
-            for j in range(world):
-                start, end = pieces[j][s]
-                buffer, shape = gathered[j * width : (j + 1) * width], torch.Size([end - start])
-                payload = Payload.from_buffer(buffer, layout(start, end), shape, flat.dtype)
-                compressor.decompress(payload, out=flat[start:end])
+            compressor.decompress_rows(gathered, flat.dtype, seg.chunk, flat[seg.start : seg.end])
+
+
+class _Segment(typing.NamedTuple):
+    """One segment of a two-phase all-reduce: its elements, the chunk length,
+    how many this rank owns, and each chunk's payload size in bytes."""
+
+    start: int
+    end: int
+    chunk: int
+    owned: int
+    sizes: list[int]
+
+
+def _decoded_rows(compressor: Compressor, rows: torch.Tensor, like: torch.Tensor, chunk: int) -> torch.Tensor:
+    decoded = torch.empty_like(like)
+    compressor.decompress_rows(rows, like.dtype, chunk, decoded)
+    return decoded
 
 
 # ----------------------------------------------------------------------------- public API

@@ -6,9 +6,7 @@ import dataclasses
 
 import torch
 
-# Buffers are padded to this many bytes so that every tensor view inside a
-# gathered buffer stays aligned for its dtype (int64 needs 8).
-ALIGN = 8
+from gradcomp.ops.reference import ALIGN  # one wire format: the row ops write it too
 
 # (name, dtype, numel) of each payload tensor, in wire order.
 Layout = list[tuple[str, torch.dtype, int]]
@@ -87,14 +85,20 @@ class Payload:
         meta: dict[str, int] | None = None,
     ) -> Payload:
         """Views into ``buffer`` (uint8) laid out as ``layout``: no copies."""
-        views = {}
-        offset = 0
-        for name, tensor_dtype, numel in wire_order(layout):
-            nbytes = numel * _itemsize(tensor_dtype)
-            views[name] = buffer[offset : offset + nbytes].view(tensor_dtype)
-            offset += nbytes
-        tensors = {name: views[name] for name, _, _ in layout}
-        return cls(tensors, torch.Size(shape), dtype, dict(meta or {}))
+        views = {name: view.view(-1) for name, view in row_views(buffer.view(1, -1), layout).items()}
+        return cls(views, torch.Size(shape), dtype, dict(meta or {}))
+
+
+def row_views(rows: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Views ``(rows, numel)`` of each payload tensor in ``rows`` (2-D uint8, one
+    payload laid out as ``layout`` a row), in ``layout``'s order: no copies."""
+    views = {}
+    offset = 0
+    for name, tensor_dtype, numel in wire_order(layout):
+        nbytes = numel * _itemsize(tensor_dtype)
+        views[name] = rows[:, offset : offset + nbytes].view(tensor_dtype)
+        offset += nbytes
+    return {name: views[name] for name, _, _ in layout}
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -12,8 +12,14 @@ import os
 import torch
 
 from .bits import pack_bits, unpack_bits
-from .quantize import dequantize_blockwise, quantize_blockwise
-from .sign import sign_compress, sign_decompress
+from .quantize import dequantize_blockwise, dequantize_rows, dequantize_sum, quantize_blockwise, quantize_rows
+from .sign import (
+    sign_compress,
+    sign_compress_rows,
+    sign_decompress,
+    sign_decompress_rows,
+    sign_decompress_sum,
+)
 from .sparse import compensate, gather_compensated, randk_indices, scatter_add, select_candidates
 
 
@@ -30,15 +36,21 @@ def is_available(device: torch.device) -> bool:
 __all__ = [
     "compensate",
     "dequantize_blockwise",
+    "dequantize_rows",
+    "dequantize_sum",
     "gather_compensated",
     "interpreting",
     "is_available",
     "pack_bits",
     "quantize_blockwise",
+    "quantize_rows",
     "randk_indices",
     "scatter_add",
     "select_candidates",
     "sign_compress",
+    "sign_compress_rows",
     "sign_decompress",
+    "sign_decompress_rows",
+    "sign_decompress_sum",
     "unpack_bits",
 ]

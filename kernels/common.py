@@ -67,6 +67,38 @@ def store_decoded(out_ptr, offsets, mask, value, ACCUMULATE: tl.constexpr):
     tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS: tl.constexpr):
+    """Where block ``pid``'s scale and codes lie: ``(scale index, codes base,
+    block within its row)``. Scales are fp32 elements, the codes base a byte
+    offset; the block's first code is at ``codes base + block within row *
+    block bytes``. Without ``ROWS`` scales and codes are two arrays over the
+    whole tensor; with it, row ``j`` of a buffer ``row_stride`` bytes a row
+    holds chunk ``j`` (``chunk_blocks`` blocks) as a payload: its scales,
+    then its codes."""
+    if ROWS:
+        row = pid // chunk_blocks
+        local = pid - row * chunk_blocks
+        row_blocks = tl.minimum(chunk_blocks, total_blocks - row * chunk_blocks)
+        return row * (row_stride // 4) + local, row * row_stride + 4 * row_blocks, local
+    else:
+        return pid, pid * 0, pid
+
+
+@triton.jit
+def pad_row(codes_ptr, pid, numel, block, chunk_blocks, total_blocks, row_stride, BITS: tl.constexpr):
+    """Zeros from the end of block ``pid``'s row payload to the next multiple of
+    8 bytes, written by the row's last block (a no-op for the others)."""
+    row = pid // chunk_blocks
+    row_blocks = tl.minimum(chunk_blocks, total_blocks - row * chunk_blocks)
+    row_elements = tl.minimum(chunk_blocks * block, numel - row * chunk_blocks * block)
+    used = 4 * row_blocks + (row_elements * BITS + 7) // 8
+    padding = tl.arange(0, 8)
+    last = pid - row * chunk_blocks == row_blocks - 1
+    mask = last & (used + padding < (used + 7) // 8 * 8)
+    tl.store(codes_ptr + row * row_stride + used + padding, tl.zeros((8,), tl.uint8), mask=mask)
+
+
 def flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """``tensor`` as a flat contiguous view (a copy only if it is not contiguous)."""
     if not tensor.is_floating_point() and tensor.dtype not in (torch.uint8, torch.int32, torch.int64):
@@ -85,6 +117,13 @@ def residual_view(residual: torch.Tensor | None, numel: int, device: torch.devic
     if residual.device != device:
         raise ValueError(f"residual is on {residual.device}, the tensor on {device}")
     return residual.view(-1)
+
+
+def check_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of payloads: a 2-D uint8 tensor, each row contiguous, ALIGN bytes apart."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) % 8:
+        raise ValueError(f"rows must be 2-D uint8, rows a multiple of 8 bytes apart; got {tuple(rows.shape)}")
+    return rows
 
 
 def block_width(block: int) -> int:

@@ -20,12 +20,15 @@ from .bits import pack_bits, unpack_bits
 from .common import (
     EXACT,
     block_lanes,
+    block_place,
     block_width,
+    check_rows,
     finite_or_zero,
     flat,
     floor,
     is_finite,
     load_compensated,
+    pad_row,
     random_seed,
     residual_view,
     round_half_even,
@@ -42,16 +45,19 @@ def _quantize_kernel(
     codes_ptr,
     scales_ptr,
     numel,
-    nbytes,
     block,
     levels,
     seed,
+    chunk_blocks,
+    total_blocks,
+    row_stride,
     BITS: tl.constexpr,
     WIDTH: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     NORM: tl.constexpr,
     PACKED: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid, offsets, mask = block_lanes(numel, block, WIDTH)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
@@ -78,7 +84,8 @@ def _quantize_kernel(
         level = round_half_even(scaled)
     level = tl.where(is_finite(level), level, 0.0)
     level = tl.minimum(tl.maximum(level, -levels_f), levels_f)
-    tl.store(scales_ptr + pid, scale)
+    scale_index, codes_base, local = block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS)
+    tl.store(scales_ptr + scale_index, scale)
     if HAS_RESIDUAL:
         error = finite_or_zero(y - level * scale)
         tl.store(residual_ptr + offsets, error, mask=mask)
@@ -89,11 +96,14 @@ def _quantize_kernel(
         shifts = tl.arange(0, per_byte) * BITS
         byte = tl.sum(grouped << shifts[None, :], axis=1)
         group = tl.arange(0, WIDTH // per_byte)
-        byte_index = pid * (block // per_byte) + group
-        byte_mask = (group * per_byte < block) & (byte_index < nbytes)
+        byte_index = codes_base + local * (block // per_byte) + group
+        byte_mask = (group * per_byte < block) & (pid * block + group * per_byte < numel)
         tl.store(codes_ptr + byte_index, byte.to(tl.uint8), mask=byte_mask)
     else:
-        tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=mask)
+        element = local * block + (offsets - pid * block)  # within the row (the tensor without ROWS)
+        tl.store(codes_ptr + codes_base + element, code.to(tl.uint8), mask=mask)
+    if ROWS:
+        pad_row(codes_ptr, pid, numel, block, chunk_blocks, total_blocks, row_stride, BITS)
 
 
 @triton.jit(do_not_specialize=["levels"])
@@ -104,17 +114,84 @@ def _dequantize_kernel(
     numel,
     block,
     levels,
+    chunk_blocks,
+    total_blocks,
+    row_stride,
+    summed_rows,
+    divisor,
     BITS: tl.constexpr,
     WIDTH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    SUM: tl.constexpr,
 ):
     pid, offsets, mask = block_lanes(numel, block, WIDTH)
     per_byte: tl.constexpr = 8 // BITS
-    byte = tl.load(codes_ptr + offsets // per_byte, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((offsets % per_byte) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
-    scale = tl.load(scales_ptr + pid).to(tl.float32)
-    value = (code.to(tl.float32) - levels.to(tl.float32)) * scale
+    scale_index, codes_base, local = block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS)
+    element = local * block + (offsets - pid * block)  # within the row (the tensor without ROWS)
+    shift = ((element % per_byte) * BITS).to(tl.int32)
+    if SUM:
+        # Rows 0..summed_rows-1 each hold the whole tensor; added in row order, then divided.
+        value = tl.zeros((WIDTH,), tl.float32)
+        # A while loop: Triton's interpreter (under numpy 2.4) cannot take a
+        # runtime bound in range().
+        row = 0
+        while row < summed_rows:
+            byte = tl.load(
+                codes_ptr + row * row_stride + codes_base + element // per_byte, mask=mask, other=0
+            )
+            code = (byte.to(tl.int32) >> shift) & ((1 << BITS) - 1)
+            scale = tl.load(scales_ptr + row * (row_stride // 4) + scale_index)
+            value += (code.to(tl.float32) - levels.to(tl.float32)) * scale
+            row += 1
+        value = tl.math.div_rn(value, divisor)
+    else:
+        byte = tl.load(codes_ptr + codes_base + element // per_byte, mask=mask, other=0).to(tl.int32)
+        code = (byte >> shift) & ((1 << BITS) - 1)
+        scale = tl.load(scales_ptr + scale_index).to(tl.float32)
+        value = (code.to(tl.float32) - levels.to(tl.float32)) * scale
     store_decoded(out_ptr, offsets, mask, value, ACCUMULATE)
+
+
+def _levels(bits: int, levels: int | None, scale: str) -> int:
+    levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    if levels < 1:
+        raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
+    if bits not in (1, 2, 4, 8) or 2 * levels + 1 > 2**bits:
+        raise ValueError(f"{bits} bits cannot hold levels={levels}")
+    if scale not in ("absmax", "norm"):
+        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
+    return levels
+
+
+def _quantize(x, bits, block, stochastic, seed, residual, levels, scale, codes, scales, chunk, rows) -> None:
+    """Launch the quantizer over ``x`` into ``codes`` and ``scales`` (views of
+    ``rows`` when given: chunk ``j`` into row ``j``)."""
+    numel = x.numel()
+    blocks = triton.cdiv(numel, block)
+    if not blocks:
+        return
+    _quantize_kernel[(blocks,)](
+        x,
+        residual if residual is not None else x,
+        codes,
+        scales,
+        numel,
+        block,
+        levels,
+        random_seed(seed),
+        triton.cdiv(chunk, block),
+        blocks,
+        0 if rows is None else rows.stride(0),
+        BITS=bits,
+        WIDTH=block_width(block),
+        HAS_RESIDUAL=residual is not None,
+        STOCHASTIC=stochastic,
+        NORM=scale == "norm",
+        PACKED=bits < 8 and block % (8 // bits) == 0,
+        ROWS=rows is not None,
+        **EXACT,
+    )
 
 
 def quantize_blockwise(
@@ -129,43 +206,67 @@ def quantize_blockwise(
     scale: str = "absmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`gradcomp.ops.reference.quantize_blockwise`."""
-    levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    if levels < 1:
-        raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
-    if bits not in (1, 2, 4, 8) or 2 * levels + 1 > 2**bits:
-        raise ValueError(f"{bits} bits cannot hold levels={levels}")
-    if scale not in ("absmax", "norm"):
-        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
+    levels = _levels(bits, levels, scale)
     x = flat(x, "x")
     numel = x.numel()
     residual = residual_view(residual, numel, x.device)
-    blocks = triton.cdiv(numel, block)
-    nbytes = triton.cdiv(numel * bits, 8)
-    scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
+    scales = torch.empty(triton.cdiv(numel, block), dtype=torch.float32, device=x.device)
     packed = bits == 8 or block % (8 // bits) == 0
-    codes = torch.empty(nbytes if packed else numel, dtype=torch.uint8, device=x.device)
-    if blocks:
-        _quantize_kernel[(blocks,)](
-            x,
-            residual if residual is not None else x,
-            codes,
-            scales,
-            numel,
-            nbytes,
-            block,
-            levels,
-            random_seed(seed),
-            BITS=bits,
-            WIDTH=block_width(block),
-            HAS_RESIDUAL=residual is not None,
-            STOCHASTIC=stochastic,
-            NORM=scale == "norm",
-            PACKED=packed and bits < 8,
-            **EXACT,
-        )
-    if not packed:
-        codes = pack_bits(codes, bits)
-    return codes, scales
+    codes = torch.empty(triton.cdiv(numel * bits, 8) if packed else numel, dtype=torch.uint8, device=x.device)
+    _quantize(x, bits, block, stochastic, seed, residual, levels, scale, codes, scales, numel, None)
+    return (codes if packed else pack_bits(codes, bits)), scales
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    chunk: int,
+    rows: torch.Tensor,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: torch.Tensor | None = None,
+    *,
+    levels: int | None = None,
+    scale: str = "absmax",
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.quantize_rows`: one launch."""
+    levels = _levels(bits, levels, scale)
+    x = flat(x, "x")
+    residual = residual_view(residual, x.numel(), x.device)
+    rows = check_rows(rows)
+    _quantize(
+        x, bits, block, stochastic, seed, residual, levels, scale, rows, rows.view(torch.float32), chunk, rows
+    )
+    return rows
+
+
+def _dequantize(
+    codes, scales, bits, block, numel, levels, out, accumulate, chunk, rows, summed=None, divisor=1
+):
+    """Launch the decoder: ``summed`` rows added (and divided), or every block once."""
+    blocks = triton.cdiv(numel, block)
+    if not blocks:
+        return
+    _dequantize_kernel[(blocks,)](
+        codes,
+        scales,
+        out,
+        numel,
+        block,
+        levels,
+        triton.cdiv(chunk, block),
+        blocks,
+        0 if rows is None else rows.stride(0),
+        summed or 1,
+        float(divisor),
+        BITS=bits,
+        WIDTH=block_width(block),
+        ACCUMULATE=accumulate,
+        ROWS=rows is not None,
+        SUM=summed is not None,
+        **EXACT,
+    )
 
 
 def dequantize_blockwise(
@@ -181,23 +282,56 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.dequantize_blockwise`."""
     levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    q = flat(q, "q")
     target = torch.empty(numel, dtype=torch.float32, device=q.device) if out is None else out.view(-1)
-    blocks = triton.cdiv(numel, block)
-    if blocks:
-        _dequantize_kernel[(blocks,)](
-            q,
-            flat(scales, "scales"),
-            target,
-            numel,
-            block,
-            levels,
-            BITS=bits,
-            WIDTH=block_width(block),
-            ACCUMULATE=accumulate,
-            **EXACT,
-        )
+    _dequantize(
+        flat(q, "q"), flat(scales, "scales"), bits, block, numel, levels, target, accumulate, numel, None
+    )
     return target if out is None else out
 
 
-__all__ = ["dequantize_blockwise", "pack_bits", "quantize_blockwise", "unpack_bits"]
+def dequantize_rows(
+    rows: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    chunk: int,
+    out: torch.Tensor,
+    *,
+    levels: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.dequantize_rows`: one launch."""
+    levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    rows = check_rows(rows)
+    _dequantize(rows, rows.view(torch.float32), bits, block, numel, levels, out.view(-1), False, chunk, rows)
+    return out
+
+
+def dequantize_sum(
+    rows: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    out: torch.Tensor,
+    *,
+    levels: int | None = None,
+    divisor: int = 1,
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.dequantize_sum`: one launch."""
+    levels = levels if levels is not None else 2 ** (bits - 1) - 1
+    rows = check_rows(rows)
+    codes, scales = rows, rows.view(torch.float32)
+    _dequantize(
+        codes, scales, bits, block, numel, levels, out.view(-1), False, numel, rows, rows.shape[0], divisor
+    )
+    return out
+
+
+__all__ = [
+    "dequantize_blockwise",
+    "dequantize_rows",
+    "dequantize_sum",
+    "pack_bits",
+    "quantize_blockwise",
+    "quantize_rows",
+    "unpack_bits",
+]

@@ -14,10 +14,13 @@ from .bits import pack_bits
 from .common import (
     EXACT,
     block_lanes,
+    block_place,
     block_width,
+    check_rows,
     finite_or_zero,
     flat,
     load_compensated,
+    pad_row,
     residual_view,
     store_decoded,
 )
@@ -30,18 +33,22 @@ def _sign_kernel(
     signs_ptr,
     scales_ptr,
     numel,
-    nbytes,
     block,
+    chunk_blocks,
+    total_blocks,
+    row_stride,
     WIDTH: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PACKED: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid, offsets, mask = block_lanes(numel, block, WIDTH)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     count = tl.minimum(numel - pid * block, block).to(tl.float32)
     scale = tl.sum(tl.abs(y), axis=0) / count
     positive = y >= 0
-    tl.store(scales_ptr + pid, scale)
+    scale_index, signs_base, local = block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS)
+    tl.store(scales_ptr + scale_index, scale)
     if HAS_RESIDUAL:
         error = finite_or_zero(y - tl.where(positive, scale, -scale))
         tl.store(residual_ptr + offsets, error, mask=mask)
@@ -50,22 +57,78 @@ def _sign_kernel(
         grouped = tl.reshape(bit, (WIDTH // 8, 8))
         byte = tl.sum(grouped << tl.arange(0, 8)[None, :], axis=1)
         group = tl.arange(0, WIDTH // 8)
-        byte_index = pid * (block // 8) + group
-        tl.store(signs_ptr + byte_index, byte.to(tl.uint8), mask=(group * 8 < block) & (byte_index < nbytes))
+        byte_index = signs_base + local * (block // 8) + group
+        byte_mask = (group * 8 < block) & (pid * block + group * 8 < numel)
+        tl.store(signs_ptr + byte_index, byte.to(tl.uint8), mask=byte_mask)
     else:
         tl.store(signs_ptr + offsets, bit.to(tl.uint8), mask=mask)
+    if ROWS:
+        pad_row(signs_ptr, pid, numel, block, chunk_blocks, total_blocks, row_stride, 1)
 
 
 @triton.jit
 def _sign_decode_kernel(
-    signs_ptr, scales_ptr, out_ptr, numel, block, WIDTH: tl.constexpr, ACCUMULATE: tl.constexpr
+    signs_ptr,
+    scales_ptr,
+    out_ptr,
+    numel,
+    block,
+    chunk_blocks,
+    total_blocks,
+    row_stride,
+    summed_rows,
+    divisor,
+    WIDTH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    SUM: tl.constexpr,
 ):
     pid, offsets, mask = block_lanes(numel, block, WIDTH)
-    byte = tl.load(signs_ptr + offsets // 8, mask=mask, other=0).to(tl.int32)
-    bit = (byte >> (offsets % 8).to(tl.int32)) & 1
-    scale = tl.load(scales_ptr + pid).to(tl.float32)
-    value = (bit.to(tl.float32) * 2.0 - 1.0) * scale
+    scale_index, signs_base, local = block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS)
+    element = local * block + (offsets - pid * block)  # within the row (the tensor without ROWS)
+    shift = (element % 8).to(tl.int32)
+    if SUM:
+        # Rows 0..summed_rows-1 each hold the whole tensor; added in row order, then divided.
+        value = tl.zeros((WIDTH,), tl.float32)
+        # A while loop: Triton's interpreter (under numpy 2.4) cannot take a
+        # runtime bound in range().
+        row = 0
+        while row < summed_rows:
+            byte = tl.load(signs_ptr + row * row_stride + signs_base + element // 8, mask=mask, other=0)
+            bit = (byte.to(tl.int32) >> shift) & 1
+            scale = tl.load(scales_ptr + row * (row_stride // 4) + scale_index)
+            value += (bit.to(tl.float32) * 2.0 - 1.0) * scale
+            row += 1
+        value = tl.math.div_rn(value, divisor)
+    else:
+        byte = tl.load(signs_ptr + signs_base + element // 8, mask=mask, other=0).to(tl.int32)
+        bit = (byte >> shift) & 1
+        scale = tl.load(scales_ptr + scale_index).to(tl.float32)
+        value = (bit.to(tl.float32) * 2.0 - 1.0) * scale
     store_decoded(out_ptr, offsets, mask, value, ACCUMULATE)
+
+
+def _compress(x, block, residual, signs, scales, chunk, rows) -> None:
+    numel = x.numel()
+    blocks = triton.cdiv(numel, block)
+    if not blocks:
+        return
+    _sign_kernel[(blocks,)](
+        x,
+        residual if residual is not None else x,
+        signs,
+        scales,
+        numel,
+        block,
+        triton.cdiv(chunk, block),
+        blocks,
+        0 if rows is None else rows.stride(0),
+        WIDTH=block_width(block),
+        HAS_RESIDUAL=residual is not None,
+        PACKED=block % 8 == 0,
+        ROWS=rows is not None,
+        **EXACT,
+    )
 
 
 def sign_compress(
@@ -75,26 +138,46 @@ def sign_compress(
     x = flat(x, "x")
     numel = x.numel()
     residual = residual_view(residual, numel, x.device)
-    blocks = triton.cdiv(numel, block)
-    nbytes = triton.cdiv(numel, 8)
     packed = block % 8 == 0
-    signs = torch.empty(nbytes if packed else numel, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    if blocks:
-        _sign_kernel[(blocks,)](
-            x,
-            residual if residual is not None else x,
-            signs,
-            scales,
-            numel,
-            nbytes,
-            block,
-            WIDTH=block_width(block),
-            HAS_RESIDUAL=residual is not None,
-            PACKED=packed,
-            **EXACT,
-        )
+    signs = torch.empty(triton.cdiv(numel, 8) if packed else numel, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(triton.cdiv(numel, block), dtype=torch.float32, device=x.device)
+    _compress(x, block, residual, signs, scales, numel, None)
     return (signs if packed else pack_bits(signs, 1)), scales
+
+
+def sign_compress_rows(
+    x: torch.Tensor, block: int, chunk: int, rows: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.sign_compress_rows`: one launch."""
+    x = flat(x, "x")
+    residual = residual_view(residual, x.numel(), x.device)
+    rows = check_rows(rows)
+    _compress(x, block, residual, rows, rows.view(torch.float32), chunk, rows)
+    return rows
+
+
+def _decompress(signs, scales, block, numel, out, accumulate, chunk, rows, summed=None, divisor=1) -> None:
+    """Launch the decoder: ``summed`` rows added (and divided), or every block once."""
+    blocks = triton.cdiv(numel, block)
+    if not blocks:
+        return
+    _sign_decode_kernel[(blocks,)](
+        signs,
+        scales,
+        out,
+        numel,
+        block,
+        triton.cdiv(chunk, block),
+        blocks,
+        0 if rows is None else rows.stride(0),
+        summed or 1,
+        float(divisor),
+        WIDTH=block_width(block),
+        ACCUMULATE=accumulate,
+        ROWS=rows is not None,
+        SUM=summed is not None,
+        **EXACT,
+    )
 
 
 def sign_decompress(
@@ -106,18 +189,26 @@ def sign_decompress(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.sign_decompress`."""
-    packed = flat(packed, "packed")
     target = torch.empty(numel, dtype=torch.float32, device=packed.device) if out is None else out.view(-1)
-    blocks = triton.cdiv(numel, block)
-    if blocks:
-        _sign_decode_kernel[(blocks,)](
-            packed,
-            flat(scales, "scales"),
-            target,
-            numel,
-            block,
-            WIDTH=block_width(block),
-            ACCUMULATE=accumulate,
-            **EXACT,
-        )
+    _decompress(flat(packed, "packed"), flat(scales, "scales"), block, numel, target, accumulate, numel, None)
     return target if out is None else out
+
+
+def sign_decompress_rows(
+    rows: torch.Tensor, block: int, numel: int, chunk: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.sign_decompress_rows`: one launch."""
+    rows = check_rows(rows)
+    _decompress(rows, rows.view(torch.float32), block, numel, out.view(-1), False, chunk, rows)
+    return out
+
+
+def sign_decompress_sum(
+    rows: torch.Tensor, block: int, numel: int, out: torch.Tensor, *, divisor: int = 1
+) -> torch.Tensor:
+    """Triton version of :func:`gradcomp.ops.reference.sign_decompress_sum`: one launch."""
+    rows = check_rows(rows)
+    _decompress(
+        rows, rows.view(torch.float32), block, numel, out.view(-1), False, numel, rows, rows.shape[0], divisor
+    )
+    return out

@@ -130,6 +130,8 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
     # (numel, block) pairs in rotation: divisible by 16 and packed, odd and
     # straddling bytes, a single element in a single-element block.
     shapes = itertools.cycle([(4096, 256), (1023, 255), (1, 1), (4097, 100)])
+    # Rows hold whole bytes of codes a block: blocks of 256 and 128, sizes odd and even.
+    rows_shapes = itertools.cycle([(4096, 256), (1023, 128), (4097, 256), (1, 128)])
     quantizers = [
         (8, None, "absmax"),
         (4, None, "absmax"),
@@ -188,6 +190,65 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
             f"numel={numel} block={block}",
             dequantize,
         )
+    for x_name, residual, (bits, levels, scale), stochastic in itertools.product(
+        FLOATS, (None, "float32"), quantizers, (False, True)
+    ):
+        numel, block = next(rows_shapes)
+
+        def quantize_rows(
+            x_name=x_name,
+            residual=residual,
+            bits=bits,
+            levels=levels,
+            scale=scale,
+            stochastic=stochastic,
+            numel=numel,
+            block=block,
+        ):
+            r = None if residual is None else tensor(numel, residual)
+            rows = torch.zeros(4, 8 * (numel // 8 + 2), dtype=torch.uint8)
+            return kernels.quantize_rows(
+                tensor(numel, x_name),
+                bits,
+                block,
+                2 * block,
+                rows,
+                stochastic,
+                5,
+                r,
+                levels=levels,
+                scale=scale,
+            )
+
+        add(
+            f"quantize_rows x={x_name} r={residual} bits={bits} levels={levels} {scale} "
+            f"stochastic={stochastic} numel={numel} block={block}",
+            quantize_rows,
+        )
+    for out_name, (bits, levels, _) in itertools.product(FLOATS, quantizers):
+        numel, block = next(rows_shapes)
+
+        def dequantize_rows(out_name=out_name, bits=bits, levels=levels, numel=numel, block=block):
+            rows = torch.zeros(4, 8 * (numel // 8 + 2), dtype=torch.uint8)
+            out = tensor(numel, out_name)
+            kernels.dequantize_rows(rows, bits, block, numel, 2 * block, out, levels=levels)
+            return kernels.dequantize_sum(rows, bits, block, numel, out, levels=levels, divisor=3)
+
+        add(
+            f"dequantize_rows out={out_name} bits={bits} levels={levels} numel={numel} block={block}",
+            dequantize_rows,
+        )
+    for x_name, residual, out_name in itertools.product(FLOATS, (None, "float32"), FLOATS):
+        numel, block = next(rows_shapes)
+
+        def sign_rows(x_name=x_name, residual=residual, out_name=out_name, numel=numel, block=block):
+            rows = torch.zeros(4, 8 * (numel // 8 + 2), dtype=torch.uint8)
+            r = None if residual is None else tensor(numel, residual)
+            kernels.sign_compress_rows(tensor(numel, x_name), block * 8, 16 * block, rows, r)
+            kernels.sign_decompress_rows(rows, block * 8, numel, 16 * block, tensor(numel, out_name))
+            return kernels.sign_decompress_sum(rows, block * 8, numel, tensor(numel, out_name), divisor=2)
+
+        add(f"sign_rows x={x_name} r={residual} out={out_name} numel={numel} block={block * 8}", sign_rows)
     for bits, numel in itertools.product((1, 2, 4), (1, 7, 4096)):
         add(
             f"pack bits={bits} numel={numel}",

@@ -198,6 +198,109 @@ def test_sign_nan_decodes_nan():
     assert decoded[:1024].isnan().all() and torch.isfinite(decoded[1024:]).all()
 
 
+# ----------------------------------------------------------------------------- payload rows
+
+
+def _rows(count: int, numel: int, bits: int, block: int) -> torch.Tensor:
+    """Rows long enough for payloads of ``numel`` elements, filled with a marker byte."""
+    width = -(-(4 * -(-numel // block) + -(-numel * bits // 8)) // 8) * 8 + 16
+    return torch.full((count, width), 0xA5, dtype=torch.uint8, device=DEVICE)
+
+
+ROW_CASES = [(8, None, 256, 4097), (4, None, 128, 1023), (2, None, 64, 3001), (4, 7, 256, 1), (2, 1, 64, 640)]
+
+
+@pytest.mark.parametrize("bits, levels, block, numel", ROW_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_are_bit_exact(bits, levels, block, numel, dtype):
+    """One payload a chunk (scales, codes, zeros to 8 bytes; the rest of the
+    row untouched), decoded into every float dtype: the reference's bits."""
+    x = randn(numel, seed=numel + bits, dtype=dtype)
+    residual = randn(numel, seed=5) * 0.1
+    chunk = 2 * block
+    count = -(-numel // chunk) + 1  # a trailing row no chunk uses
+    expected, actual = _rows(count, chunk, bits, block), _rows(count, chunk, bits, block)
+    expected_residual, actual_residual = residual.clone(), residual.clone()
+    options = {"levels": levels, "scale": "norm" if levels else "absmax"}
+    reference.quantize_rows(x, bits, block, chunk, expected, residual=expected_residual, **options)
+    triton_ops.FUNCTIONS["quantize_rows"](x, bits, block, chunk, actual, residual=actual_residual, **options)
+    if levels:  # QSGD's norms are summed in another order: a few ulp
+        torch.testing.assert_close(actual_residual, expected_residual, rtol=1e-5, atol=1e-6)
+    else:
+        assert_same(expected, actual)
+        assert_same(expected_residual, actual_residual)
+    for out_dtype in DTYPES:
+        decoded = [
+            decode(
+                actual,
+                bits,
+                block,
+                numel,
+                chunk,
+                torch.zeros(numel, dtype=out_dtype, device=DEVICE),
+                levels=levels,
+            )
+            for decode in (reference.dequantize_rows, triton_ops.FUNCTIONS["dequantize_rows"])
+        ]
+        assert_same(*decoded, bf16_stored=out_dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits, levels, block, numel", ROW_CASES)
+@pytest.mark.parametrize("divisor", [1, 3])
+def test_dequantize_sum_adds_rows_in_order_bit_exactly(bits, levels, block, numel, divisor):
+    count = 3
+    rows = _rows(count, numel, bits, block)
+    for r in range(count):
+        reference.quantize_rows(
+            randn(numel, seed=r), bits, block, -(-numel // block) * block, rows[r : r + 1], levels=levels
+        )
+    expected = reference.dequantize_sum(
+        rows, bits, block, numel, torch.empty(numel, device=DEVICE), levels=levels, divisor=divisor
+    )
+    actual = triton_ops.FUNCTIONS["dequantize_sum"](
+        rows, bits, block, numel, torch.empty(numel, device=DEVICE), levels=levels, divisor=divisor
+    )
+    assert_same(expected, actual)
+
+
+@pytest.mark.parametrize("block, numel", [(1024, 5000), (64, 1), (256, 1023)])
+def test_sign_rows_match_the_reference(block, numel):
+    x = randn(numel, seed=numel)
+    chunk = 2 * block
+    count = -(-numel // chunk)
+    expected, actual = _rows(count, chunk, 1, block), _rows(count, chunk, 1, block)
+    reference.sign_compress_rows(x, block, chunk, expected, torch.zeros(numel, device=DEVICE))
+    triton_ops.FUNCTIONS["sign_compress_rows"](x, block, chunk, actual, torch.zeros(numel, device=DEVICE))
+    blocks = -(-min(chunk, numel) // block)
+    # Scales are block sums in another order (a few ulp); signs, padding and the rest exact.
+    scales = slice(0, 4 * blocks)
+    torch.testing.assert_close(
+        actual[:, scales].view(torch.float32),
+        expected[:, scales].view(torch.float32),
+        rtol=4 * 2**-23,
+        atol=0,
+    )
+    assert_same(expected[:, 4 * blocks :], actual[:, 4 * blocks :])
+    for decode in ("sign_decompress_rows", "sign_decompress_sum"):
+        out = {}
+        for name, implementation in (
+            ("reference", getattr(reference, decode)),
+            ("triton", triton_ops.FUNCTIONS[decode]),
+        ):
+            target = torch.empty(numel, device=DEVICE)
+            if decode.endswith("rows"):
+                out[name] = implementation(actual, block, numel, chunk, target)
+            else:
+                out[name] = implementation(
+                    actual[:, : expected.shape[1]] if numel <= chunk else actual[:1],
+                    block,
+                    min(numel, chunk),
+                    target[: min(numel, chunk)],
+                    divisor=2,
+                )
+        assert_same(out["reference"], out["triton"])
+
+
 # ----------------------------------------------------------------------------- bits
 
 

@@ -8,8 +8,9 @@ from typing import ClassVar
 
 import torch
 
+from gradcomp import ops
 from gradcomp.ops.reference import write_out
-from gradcomp.payload import Layout, Payload
+from gradcomp.payload import Layout, Payload, buffer_size
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MASK64 = 2**64 - 1
@@ -153,6 +154,50 @@ class Compressor:
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
         """The layout of a payload for ``numel`` elements (``meta`` as the payload's)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ payload rows
+    # What the collectives exchange: many payloads, one a row of a 2-D uint8
+    # tensor, each row at least as long as its payload. The defaults below make
+    # one call per row; compressors with row ops (quantizers, sign) override
+    # them with one kernel launch whatever the number of rows.
+    @torch.no_grad()
+    def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
+        """Encode consecutive chunks of ``chunk`` elements of the 1-D ``flat``,
+        chunk ``j`` into row ``j`` of ``rows``, each with its own slice of
+        ``ctx.residual`` (over the whole of ``flat``)."""
+        for j, (start, end) in enumerate(ops.row_bounds(flat.numel(), chunk)):
+            residual = None if ctx.residual is None else ctx.residual.view(-1)[start:end]
+            part = Context(residual, ctx.step, mix_seed(ctx.key, j), ctx.rank)
+            payload = self.compress(flat[start:end], part)
+            payload.to_buffer(out=rows[j, : buffer_size(payload.layout())])
+
+    @torch.no_grad()
+    def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
+        """Decode :meth:`compress_rows`' rows into ``out`` (1-D), chunk ``j`` from
+        row ``j``; ``dtype`` is that of the tensor they encoded."""
+        for row, (start, end) in zip(rows, ops.row_bounds(out.numel(), chunk), strict=False):
+            self.decompress(self._from_row(row, end - start, dtype, {}), out=out[start:end])
+
+    @torch.no_grad()
+    def decompress_sum(
+        self, rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, *, meta=None, divisor: int = 1
+    ) -> None:
+        """``out`` (1-D, any float dtype) = the sum of the payloads of ``out.numel()``
+        elements in ``rows`` (every rank's, in rank order: the same bits on every
+        rank), added in fp32, divided by ``divisor`` and rounded once to
+        ``out``'s dtype. ``meta``: the payloads' (the same for all)."""
+        total = out if out.dtype == torch.float32 else torch.empty(out.numel(), device=out.device)
+        total.zero_()
+        for row in rows:
+            self.decompress(self._from_row(row, out.numel(), dtype, meta or {}), out=total, accumulate=True)
+        if divisor != 1:
+            total /= divisor
+        if total is not out:
+            out.copy_(total)
+
+    def _from_row(self, row: torch.Tensor, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Payload:
+        layout = self.payload_layout(numel, dtype, meta)
+        return Payload.from_buffer(row, layout, torch.Size([numel]), dtype, meta)
 
     # ------------------------------------------------------------------ subclasses
     def _encode(self, flat: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -67,6 +67,30 @@ class BlockQuantizer(Compressor):
         )
         return {"scales": scales, "codes": codes}, {}
 
+    def _rows_fit(self, chunk: int) -> bool:
+        """Whether the row ops apply: whole blocks a chunk, whole bytes of codes a block."""
+        return chunk % self.block == 0 and (self.block * self.bits) % 8 == 0
+
+    @torch.no_grad()
+    def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
+        if not self._rows_fit(chunk):
+            return super().compress_rows(flat, chunk, rows, ctx)
+        options = {"levels": self.levels, "scale": self.scale_mode}
+        random = (self.stochastic, self._private_seed(ctx))
+        ops.quantize_rows(flat, self.bits, self.block, chunk, rows, *random, ctx.residual, **options)
+
+    @torch.no_grad()
+    def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
+        if not self._rows_fit(chunk):
+            return super().decompress_rows(rows, dtype, chunk, out)
+        ops.dequantize_rows(rows, self.bits, self.block, out.numel(), chunk, out, levels=self.levels)
+
+    @torch.no_grad()
+    def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
+        if not self._rows_fit(self.block):
+            return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)
+        ops.dequantize_sum(rows, self.bits, self.block, out.numel(), out, levels=self.levels, divisor=divisor)
+
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         return ops.dequantize_blockwise(
             payload.tensors["codes"],

@@ -6,7 +6,7 @@ import torch
 
 from gradcomp import ops
 from gradcomp.compressors.base import Compressor, Context, resolve_k
-from gradcomp.payload import Layout, Payload
+from gradcomp.payload import Layout, Payload, row_views
 
 INDEX_DTYPES = {"auto": None, "int32": torch.int32, "int64": torch.int64}
 
@@ -32,6 +32,24 @@ class _Sparse(Compressor):
 
     def _indices(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
+
+    def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
+        """The indices of every row's payload, rank after rank (1-D)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
+        """Every rank's payload in one scatter-add (on a GPU, atomic: repeated
+        indices are summed in no fixed order); a mean divides each payload's
+        ``k`` values before they are added, not the output."""
+        fields = row_views(rows, self.payload_layout(out.numel(), dtype, meta))
+        values = fields["values"].to(torch.promote_types(fields["values"].dtype, torch.float32))
+        if divisor != 1:
+            values = values / divisor
+        total = out if out.dtype == torch.float32 else torch.empty(out.numel(), device=out.device)
+        ops.scatter_add(self._row_indices(fields, out.numel(), meta), values.reshape(-1), total.zero_())
+        if total is not out:
+            out.copy_(total)
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         return self._decode_divided(payload, out, accumulate, 1)
@@ -108,6 +126,9 @@ class TopK(_Sparse):
     def _indices(self, payload: Payload) -> torch.Tensor:
         return payload.tensors["indices"]
 
+    def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
+        return fields["indices"].reshape(-1)
+
 
 class RandK(_Sparse):
     """Keeps ``k`` elements chosen by a seed that every rank shares.
@@ -158,3 +179,7 @@ class RandK(_Sparse):
     def _indices(self, payload: Payload) -> torch.Tensor:
         device = payload.tensors["values"].device
         return ops.randk_indices(payload.numel, payload.meta["k"], payload.meta["seed"], device)
+
+    def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
+        indices = ops.randk_indices(numel, meta["k"], meta["seed"], fields["values"].device)
+        return indices.repeat(fields["values"].shape[0])

@@ -30,8 +30,14 @@ BACKEND_PREFERENCE = ("cuda", "triton", "torch")
 OP_NAMES = (
     "quantize_blockwise",
     "dequantize_blockwise",
+    "quantize_rows",
+    "dequantize_rows",
+    "dequantize_sum",
     "sign_compress",
     "sign_decompress",
+    "sign_compress_rows",
+    "sign_decompress_rows",
+    "sign_decompress_sum",
     "topk_select",
     "randk_select",
     "randk_indices",
@@ -150,8 +156,14 @@ def _dispatching(op: str) -> Callable:
 
 quantize_blockwise = _dispatching("quantize_blockwise")
 dequantize_blockwise = _dispatching("dequantize_blockwise")
+quantize_rows = _dispatching("quantize_rows")
+dequantize_rows = _dispatching("dequantize_rows")
+dequantize_sum = _dispatching("dequantize_sum")
 sign_compress = _dispatching("sign_compress")
 sign_decompress = _dispatching("sign_decompress")
+sign_compress_rows = _dispatching("sign_compress_rows")
+sign_decompress_rows = _dispatching("sign_decompress_rows")
+sign_decompress_sum = _dispatching("sign_decompress_sum")
 topk_select = _dispatching("topk_select")
 randk_select = _dispatching("randk_select")
 scatter_add = _dispatching("scatter_add")
@@ -167,6 +179,7 @@ def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "c
 
 
 index_dtype_for = reference.index_dtype_for
+row_bounds = reference.row_bounds
 code_bits = reference.code_bits
 
 __all__ = [

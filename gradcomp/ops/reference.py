@@ -502,6 +502,177 @@ def sign_decompress(
     return target
 
 
+# ----------------------------------------------------------------------------- payload rows
+#
+# The two-phase all-reduce moves one payload per chunk of a tensor: chunk j
+# (elements j * chunk up to (j + 1) * chunk, the last chunk shorter) as row
+# j of a 2-D uint8 tensor, in the wire format of gradcomp.payload: the
+# payload's fp32 scales, then its codes, then zeros up to a multiple of
+# ALIGN bytes; the rest of the row is left as it was. The row ops write and
+# read such rows with one kernel launch however many rows there are: the
+# encoding of the whole tensor, the decoding of every chunk, and the sum of
+# many ranks' payloads of one chunk.
+
+# Payload buffers are padded to ALIGN bytes, so that every tensor view inside
+# a gathered buffer stays aligned for its dtype (int64 needs 8).
+ALIGN = 8
+
+
+def row_bounds(numel: int, chunk: int) -> list[tuple[int, int]]:
+    """Element range of each non-empty row: ``chunk`` elements, the last one fewer."""
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+def _check_rows(rows: torch.Tensor, block: int, bits: int, chunk: int | None = None) -> None:
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) % ALIGN:
+        raise ValueError(
+            f"rows must be 2-D uint8, rows a multiple of {ALIGN} bytes apart; got {tuple(rows.shape)}"
+        )
+    if (block * bits) % 8 or (chunk is not None and chunk % block):
+        raise ValueError(
+            f"rows hold whole blocks of whole bytes: block {block}, {bits}-bit codes, chunk {chunk}"
+        )
+
+
+def _write_rows(rows: torch.Tensor, codes, scales, numel: int, block: int, bits: int, chunk: int) -> None:
+    for row, (start, end) in zip(rows, row_bounds(numel, chunk), strict=False):
+        parts = [
+            scales[start // block : math.ceil(end / block)],
+            codes[start * bits // 8 : math.ceil(end * bits / 8)],
+        ]
+        offset = 0
+        for part in parts:
+            raw = part.view(torch.uint8)
+            row[offset : offset + raw.numel()] = raw
+            offset += raw.numel()
+        row[offset : math.ceil(offset / ALIGN) * ALIGN].zero_()
+
+
+def _read_row(row: torch.Tensor, block: int, bits: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of the payload of ``numel`` elements in ``row``."""
+    blocks = math.ceil(numel / block)
+    return row[4 * blocks : 4 * blocks + math.ceil(numel * bits / 8)], row[: 4 * blocks].view(torch.float32)
+
+
+def _decode_rows(
+    rows, block: int, bits: int, numel: int, chunk: int, out: torch.Tensor, decode
+) -> torch.Tensor:
+    flat = out.view(-1)
+    for row, (start, end) in zip(rows, row_bounds(numel, chunk), strict=False):
+        decode(*_read_row(row, block, bits, end - start), end - start, flat[start:end], False)
+    return out
+
+
+def _decode_sum(
+    rows, block: int, bits: int, numel: int, out: torch.Tensor, divisor: int, decode
+) -> torch.Tensor:
+    total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
+    for row in rows:
+        decode(*_read_row(row, block, bits, numel), numel, total, True)
+    if divisor != 1:
+        total /= divisor
+    out.view(-1).copy_(total)
+    return out
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    chunk: int,
+    rows: torch.Tensor,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: torch.Tensor | None = None,
+    *,
+    levels: int | None = None,
+    scale: str = "absmax",
+) -> torch.Tensor:
+    """:func:`quantize_blockwise` of ``x`` (one seed for the whole tensor), as one
+    payload per chunk of ``chunk`` elements: chunk ``j`` in row ``j`` of ``rows``
+    (see above). ``chunk`` is a multiple of ``block``, a block whole bytes of
+    codes. Returns ``rows``."""
+    _check_rows(rows, block, bits, chunk)
+    codes, scales = quantize_blockwise(x, bits, block, stochastic, seed, residual, levels=levels, scale=scale)
+    _write_rows(rows, codes, scales, x.numel(), block, bits, chunk)
+    return rows
+
+
+def dequantize_rows(
+    rows: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    chunk: int,
+    out: torch.Tensor,
+    *,
+    levels: int | None = None,
+) -> torch.Tensor:
+    """Decode :func:`quantize_rows`: chunk ``j`` of ``out`` (any float dtype,
+    ``numel`` elements) from row ``j``. Returns ``out``."""
+    _check_rows(rows, block, bits, chunk)
+
+    def decode(codes, scales, count, into, accumulate):
+        dequantize_blockwise(codes, scales, bits, block, count, into, accumulate, levels=levels)
+
+    return _decode_rows(rows, block, bits, numel, chunk, out, decode)
+
+
+def dequantize_sum(
+    rows: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    out: torch.Tensor,
+    *,
+    levels: int | None = None,
+    divisor: int = 1,
+) -> torch.Tensor:
+    """``out = (sum of the payloads of numel elements in every row, added in
+    fp32 in row order) / divisor``, rounded once to ``out``'s dtype: what the
+    ranks' compressed chunks add up to. Returns ``out``."""
+    _check_rows(rows, block, bits)
+
+    def decode(codes, scales, count, into, accumulate):
+        dequantize_blockwise(codes, scales, bits, block, count, into, accumulate, levels=levels)
+
+    return _decode_sum(rows, block, bits, numel, out, divisor, decode)
+
+
+def sign_compress_rows(
+    x: torch.Tensor, block: int, chunk: int, rows: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`sign_compress` of ``x`` as one payload per chunk, as :func:`quantize_rows`."""
+    _check_rows(rows, block, 1, chunk)
+    signs, scales = sign_compress(x, block, residual)
+    _write_rows(rows, signs, scales, x.numel(), block, 1, chunk)
+    return rows
+
+
+def sign_decompress_rows(
+    rows: torch.Tensor, block: int, numel: int, chunk: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Decode :func:`sign_compress_rows`, as :func:`dequantize_rows`."""
+    _check_rows(rows, block, 1, chunk)
+
+    def decode(signs, scales, count, into, accumulate):
+        sign_decompress(signs, scales, block, count, into, accumulate)
+
+    return _decode_rows(rows, block, 1, numel, chunk, out, decode)
+
+
+def sign_decompress_sum(
+    rows: torch.Tensor, block: int, numel: int, out: torch.Tensor, *, divisor: int = 1
+) -> torch.Tensor:
+    """The sum of sign payloads in rows, as :func:`dequantize_sum`."""
+    _check_rows(rows, block, 1)
+
+    def decode(signs, scales, count, into, accumulate):
+        sign_decompress(signs, scales, block, count, into, accumulate)
+
+    return _decode_sum(rows, block, 1, numel, out, divisor, decode)
+
+
 # ----------------------------------------------------------------------------- sparsification
 
 
