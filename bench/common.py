@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import faulthandler
 import json
 import math
 import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,10 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gradcomp
-from gradcomp.demo import free_port
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Set in the environment of a script re-run inside a limited namespace: the link's settings (JSON).
@@ -384,44 +380,26 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _entry(rank, world_size, port, directory, timeout, body, args):
+def _logged(rank, world_size, directory, body, *args):
+    """``body`` with this rank's output in a log (shown if the run fails); progress keeps the terminal."""
     global _progress_stream
-    # Rank output goes to a log (shown if the run fails); progress keeps the terminal.
     _progress_stream = os.fdopen(os.dup(2), "w")
     log = os.open(os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log, 1)
     os.dup2(log, 2)
-    # A hung rank is sent SIGUSR1 before it is killed: its threads' stacks land in the log.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    torch.set_num_threads(threads_per_rank(world_size))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
     try:
-        result = body(rank, world_size, *args)
-        if rank == 0:
-            with open(os.path.join(directory, "result.json"), "w") as file:
-                json.dump(result, file)
+        return body(rank, world_size, *args)
     except BaseException:
         traceback.print_exc()
         raise
-    finally:
-        gradcomp.collectives.release_queues()
-        dist.destroy_process_group()
 
 
 def spawn(body: Callable, world_size: int, *args, timeout: float = 600.0):
-    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks.
-
-    ``body`` runs after ``init_process_group`` (Gloo on 127.0.0.1) with the
-    machine's cores split between the ranks; rank 0's return value (JSON
-    data) is returned here.
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks
+    (:func:`gradcomp.spawn.run_ranks`, the machine's cores split between them);
+    rank 0's return value (JSON data) is returned here.
 
     Raises:
         RanksFailed: a rank raised, was killed (a native abort included) or
@@ -430,28 +408,20 @@ def spawn(body: Callable, world_size: int, *args, timeout: float = 600.0):
     if world_size < 2:
         raise ValueError(f"spawn at least 2 ranks (one rank has nothing to communicate), got {world_size}")
     with tempfile.TemporaryDirectory(prefix="gradcomp-bench-") as directory:
-        context = mp.start_processes(
-            _entry,
-            args=(world_size, free_port(), directory, timeout, body, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout + 60
         try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        os.kill(process.pid, signal.SIGUSR1)
-                    time.sleep(1.0)
-                    for process in context.processes:
-                        process.kill()
-                    raise RanksFailed(f"ranks still running after {timeout + 60:.0f} s", _logs(directory))
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            return gradcomp.spawn.run_ranks(
+                _logged,
+                world_size,
+                directory,
+                body,
+                *args,
+                timeout=timeout + 60,
+                group_timeout=timeout,
+                threads=threads_per_rank(world_size),
+            )
+        except gradcomp.spawn.RanksFailed as error:
             logs = _logs(directory)
             raise RanksFailed(_reason(error, logs), logs) from None
-        with open(os.path.join(directory, "result.json")) as file:
-            return json.load(file)
 
 
 def _logs(directory: str) -> str:

@@ -512,14 +512,19 @@ def _compress_measured(job: Job, flat: torch.Tensor, residual, rank: int, stats:
     return _measured(job, stats, flat, residual, encode, lambda: compressor.decompress(holder[0]))
 
 
+# Error measurement reads its operands a slice at a time: no tensor-sized temporaries.
+_MEASURE_SLICE = 2**20
+
+
 def _square_sum(a: torch.Tensor, b: torch.Tensor | None = None, subtract: bool = False) -> float:
-    """``||a + b||^2`` (or ``||a - b||^2``) in fp32, a chunk at a time: no tensor-sized temporaries."""
+    """``||a + b||^2`` (or ``||a - b||^2``) in fp32, summed in fp64."""
     a, b = a.reshape(-1), None if b is None else b.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for start, end in ops.reference.chunks(a.numel(), 1, a.device):
-        part = a[start:end].float()
+    for start in range(0, a.numel(), _MEASURE_SLICE):
+        part = a[start : start + _MEASURE_SLICE].float()
         if b is not None:
-            part = part - b[start:end].float() if subtract else part + b[start:end].float()
+            other = b[start : start + _MEASURE_SLICE].float()
+            part = part - other if subtract else part + other
         total += torch.dot(part, part)
     return float(total)
 

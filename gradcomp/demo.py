@@ -15,25 +15,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+from gradcomp import spawn
 from gradcomp.collectives import ring_all_reduce_bytes
 
 # Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
@@ -212,45 +208,19 @@ def train(name: str, position: str, data: dict, setup: Setup, show_progress: boo
     )
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    names: list[str],
-    setup: Setup,
-    result_path: str,
-    show_progress: bool,
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        data = load_digits(setup.seed)
-        show = rank == 0 and show_progress
-        rows = [train(name, f"{i + 1}/{len(names)}", data, setup, show) for i, name in enumerate(names)]
-        if show:
-            _show("")
-            sys.stderr.write("\r")
-        if rank == 0:
-            with open(result_path, "w") as file:
-                json.dump([dataclasses.asdict(row) for row in rows], file)
-    finally:
-        dist.destroy_process_group()
+def _ranks_train(
+    rank: int, world_size: int, names: list[str], setup: Setup, show_progress: bool
+) -> list[dict]:
+    data = load_digits(setup.seed)
+    show = rank == 0 and show_progress
+    rows = [train(name, f"{i + 1}/{len(names)}", data, setup, show) for i, name in enumerate(names)]
+    if show:
+        _show("")
+        sys.stderr.write("\r")
+    return [dataclasses.asdict(row) for row in rows]
 
 
 # ----------------------------------------------------------------------------- driver and report
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_demo(
@@ -275,7 +245,7 @@ def run_demo(
 
     Raises:
         ValueError: an unknown name or a setting out of range.
-        torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback included).
+        gradcomp.spawn.RanksFailed: a rank failed (its traceback included).
     """
     names = list(names)
     check_runs(names)
@@ -287,16 +257,8 @@ def run_demo(
     setup = Setup(epochs=epochs)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
-    with tempfile.TemporaryDirectory() as directory:
-        result_path = os.path.join(directory, "rows.json")
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), names, setup, result_path, show_progress),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        with open(result_path) as file:
-            return [Row(**row) for row in json.load(file)]
+    rows = spawn.run_ranks(_ranks_train, world_size, names, setup, show_progress, group_timeout=120.0)
+    return [Row(**row) for row in rows]
 
 
 def machine() -> str:

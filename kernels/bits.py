@@ -31,15 +31,9 @@ def _unpack_kernel(packed_ptr, codes_ptr, numel, BITS: tl.constexpr, BLOCK: tl.c
     tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=mask)
 
 
-def _check_bits(bits: int) -> None:
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
-
-
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.pack_bits`."""
-    _check_bits(bits)
-    codes = flat(codes, "codes").to(torch.uint8)
+    codes = flat(codes).to(torch.uint8)
     if bits == 8:
         return codes.clone()
     numel = codes.numel()
@@ -53,8 +47,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.unpack_bits`."""
-    _check_bits(bits)
-    packed = flat(packed, "packed")
+    packed = flat(packed)
     if bits == 8:
         return packed[:numel]
     codes = torch.empty(numel, dtype=torch.uint8, device=packed.device)

@@ -60,10 +60,14 @@ def load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL: tl.conste
 
 @triton.jit
 def store_decoded(out_ptr, offsets, mask, value, ACCUMULATE: tl.constexpr):
-    """``out = value`` or ``out += value`` (the sum rounded like torch's ``out += value.to(out.dtype)``)."""
+    """``out = value`` or ``out += value``, the sum as torch's: in fp64 into an fp64
+    ``out``, else in fp32 of ``value`` rounded to ``out``'s dtype."""
     if ACCUMULATE:
         current = tl.load(out_ptr + offsets, mask=mask, other=0.0)
-        value = current.to(tl.float32) + value.to(current.dtype).to(tl.float32)
+        if current.dtype == tl.float64:
+            value = current + value.to(tl.float64)
+        else:
+            value = current.to(tl.float32) + value.to(current.dtype).to(tl.float32)
     tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,31 +103,14 @@ def pad_row(codes_ptr, pid, numel, block, chunk_blocks, total_blocks, row_stride
     tl.store(codes_ptr + row * row_stride + used + padding, tl.zeros((8,), tl.uint8), mask=mask)
 
 
-def flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def flat(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a flat contiguous view (a copy only if it is not contiguous)."""
-    if not tensor.is_floating_point() and tensor.dtype not in (torch.uint8, torch.int32, torch.int64):
-        raise TypeError(f"{name}: unsupported dtype {tensor.dtype}")
     return tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
-def residual_view(residual: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor | None:
-    """The residual as a flat view that the kernel updates in place."""
-    if residual is None:
-        return None
-    if not residual.is_contiguous():
-        raise ValueError("the residual must be contiguous: the kernel updates it in place")
-    if residual.numel() != numel:
-        raise ValueError(f"residual has {residual.numel()} elements, the tensor {numel}")
-    if residual.device != device:
-        raise ValueError(f"residual is on {residual.device}, the tensor on {device}")
-    return residual.view(-1)
-
-
-def check_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Rows of payloads: a 2-D uint8 tensor, each row contiguous, ALIGN bytes apart."""
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) % 8:
-        raise ValueError(f"rows must be 2-D uint8, rows a multiple of 8 bytes apart; got {tuple(rows.shape)}")
-    return rows
+def residual_view(residual: torch.Tensor | None) -> torch.Tensor | None:
+    """The (contiguous) residual as the flat view the kernel updates in place."""
+    return None if residual is None else residual.view(-1)
 
 
 def block_width(block: int) -> int:

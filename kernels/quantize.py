@@ -22,7 +22,6 @@ from .common import (
     block_lanes,
     block_place,
     block_width,
-    check_rows,
     finite_or_zero,
     flat,
     floor,
@@ -153,17 +152,6 @@ def _dequantize_kernel(
     store_decoded(out_ptr, offsets, mask, value, ACCUMULATE)
 
 
-def _levels(bits: int, levels: int | None, scale: str) -> int:
-    levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    if levels < 1:
-        raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
-    if bits not in (1, 2, 4, 8) or 2 * levels + 1 > 2**bits:
-        raise ValueError(f"{bits} bits cannot hold levels={levels}")
-    if scale not in ("absmax", "norm"):
-        raise ValueError(f"scale must be 'absmax' or 'norm', got {scale!r}")
-    return levels
-
-
 def _quantize(x, bits, block, stochastic, seed, residual, levels, scale, codes, scales, chunk, rows) -> None:
     """Launch the quantizer over ``x`` into ``codes`` and ``scales`` (views of
     ``rows`` when given: chunk ``j`` into row ``j``)."""
@@ -206,10 +194,9 @@ def quantize_blockwise(
     scale: str = "absmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`gradcomp.ops.reference.quantize_blockwise`."""
-    levels = _levels(bits, levels, scale)
-    x = flat(x, "x")
+    x = flat(x)
     numel = x.numel()
-    residual = residual_view(residual, numel, x.device)
+    residual = residual_view(residual)
     scales = torch.empty(triton.cdiv(numel, block), dtype=torch.float32, device=x.device)
     packed = bits == 8 or block % (8 // bits) == 0
     codes = torch.empty(triton.cdiv(numel * bits, 8) if packed else numel, dtype=torch.uint8, device=x.device)
@@ -231,10 +218,8 @@ def quantize_rows(
     scale: str = "absmax",
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.quantize_rows`: one launch."""
-    levels = _levels(bits, levels, scale)
-    x = flat(x, "x")
-    residual = residual_view(residual, x.numel(), x.device)
-    rows = check_rows(rows)
+    x = flat(x)
+    residual = residual_view(residual)
     _quantize(
         x, bits, block, stochastic, seed, residual, levels, scale, rows, rows.view(torch.float32), chunk, rows
     )
@@ -281,11 +266,8 @@ def dequantize_blockwise(
     levels: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.dequantize_blockwise`."""
-    levels = levels if levels is not None else 2 ** (bits - 1) - 1
     target = torch.empty(numel, dtype=torch.float32, device=q.device) if out is None else out.view(-1)
-    _dequantize(
-        flat(q, "q"), flat(scales, "scales"), bits, block, numel, levels, target, accumulate, numel, None
-    )
+    _dequantize(flat(q), flat(scales), bits, block, numel, levels, target, accumulate, numel, None)
     return target if out is None else out
 
 
@@ -300,8 +282,6 @@ def dequantize_rows(
     levels: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.dequantize_rows`: one launch."""
-    levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    rows = check_rows(rows)
     _dequantize(rows, rows.view(torch.float32), bits, block, numel, levels, out.view(-1), False, chunk, rows)
     return out
 
@@ -317,8 +297,6 @@ def dequantize_sum(
     divisor: int = 1,
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.dequantize_sum`: one launch."""
-    levels = levels if levels is not None else 2 ** (bits - 1) - 1
-    rows = check_rows(rows)
     codes, scales = rows, rows.view(torch.float32)
     _dequantize(
         codes, scales, bits, block, numel, levels, out.view(-1), False, numel, rows, rows.shape[0], divisor

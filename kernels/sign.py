@@ -16,7 +16,6 @@ from .common import (
     block_lanes,
     block_place,
     block_width,
-    check_rows,
     finite_or_zero,
     flat,
     load_compensated,
@@ -135,9 +134,9 @@ def sign_compress(
     x: torch.Tensor, block: int, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`gradcomp.ops.reference.sign_compress`."""
-    x = flat(x, "x")
+    x = flat(x)
     numel = x.numel()
-    residual = residual_view(residual, numel, x.device)
+    residual = residual_view(residual)
     packed = block % 8 == 0
     signs = torch.empty(triton.cdiv(numel, 8) if packed else numel, dtype=torch.uint8, device=x.device)
     scales = torch.empty(triton.cdiv(numel, block), dtype=torch.float32, device=x.device)
@@ -149,9 +148,8 @@ def sign_compress_rows(
     x: torch.Tensor, block: int, chunk: int, rows: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.sign_compress_rows`: one launch."""
-    x = flat(x, "x")
-    residual = residual_view(residual, x.numel(), x.device)
-    rows = check_rows(rows)
+    x = flat(x)
+    residual = residual_view(residual)
     _compress(x, block, residual, rows, rows.view(torch.float32), chunk, rows)
     return rows
 
@@ -190,7 +188,7 @@ def sign_decompress(
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.sign_decompress`."""
     target = torch.empty(numel, dtype=torch.float32, device=packed.device) if out is None else out.view(-1)
-    _decompress(flat(packed, "packed"), flat(scales, "scales"), block, numel, target, accumulate, numel, None)
+    _decompress(flat(packed), flat(scales), block, numel, target, accumulate, numel, None)
     return target if out is None else out
 
 
@@ -198,7 +196,6 @@ def sign_decompress_rows(
     rows: torch.Tensor, block: int, numel: int, chunk: int, out: torch.Tensor
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.sign_decompress_rows`: one launch."""
-    rows = check_rows(rows)
     _decompress(rows, rows.view(torch.float32), block, numel, out.view(-1), False, chunk, rows)
     return out
 
@@ -207,7 +204,6 @@ def sign_decompress_sum(
     rows: torch.Tensor, block: int, numel: int, out: torch.Tensor, *, divisor: int = 1
 ) -> torch.Tensor:
     """Triton version of :func:`gradcomp.ops.reference.sign_decompress_sum`: one launch."""
-    rows = check_rows(rows)
     _decompress(
         rows, rows.view(torch.float32), block, numel, out.view(-1), False, numel, rows, rows.shape[0], divisor
     )

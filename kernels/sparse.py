@@ -65,7 +65,7 @@ def _gather_kernel(
     values_ptr,
     lost_ptr,
     k,
-    scale,
+    multiplier,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -75,7 +75,7 @@ def _gather_kernel(
     y = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    sent = (y * scale).to(values_ptr.dtype.element_ty)
+    sent = (y * multiplier).to(values_ptr.dtype.element_ty)
     tl.store(values_ptr + offsets, sent, mask=mask)
     tl.store(lost_ptr + offsets, finite_or_zero(y - sent.to(tl.float32)), mask=mask)
 
@@ -164,8 +164,10 @@ def randk_indices(numel: int, k: int, half_bits: int, keys: list[int], device) -
     return chosen.sort().values
 
 
-def gather_compensated(x, residual, indices, scale: float, value_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, lost)``: ``(x + residual)[indices] * scale`` in ``value_dtype``, and
+def gather_compensated(
+    x, residual, indices, multiplier: float, value_dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, lost)``: ``(x + residual)[indices] * multiplier`` in ``value_dtype``, and
     ``y - sent`` there in fp32 (zero where not finite)."""
     count = indices.numel()
     values = torch.empty(count, dtype=value_dtype, device=x.device)
@@ -178,7 +180,7 @@ def gather_compensated(x, residual, indices, scale: float, value_dtype) -> tuple
             values,
             lost,
             count,
-            float(scale),
+            float(multiplier),
             HAS_RESIDUAL=residual is not None,
             BLOCK=ELEMENTS_PER_PROGRAM,
             **EXACT,
@@ -255,9 +257,7 @@ def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) 
     """Triton version of :func:`gradcomp.ops.reference.scatter_add` (atomic adds:
     repeated indices are summed in no fixed order; an index outside ``out``
     is dropped and makes element 0 NaN)."""
-    indices, values = flat(indices, "indices"), flat(values, "values")
-    if indices.numel() != values.numel():
-        raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+    indices, values = flat(indices), flat(values)
     target = out.view(-1)
     if indices.numel():
         grid = (triton.cdiv(indices.numel(), ELEMENTS_PER_PROGRAM),)

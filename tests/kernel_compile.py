@@ -133,9 +133,9 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
     # Rows hold whole bytes of codes a block: blocks of 256 and 128, sizes odd and even.
     rows_shapes = itertools.cycle([(4096, 256), (1023, 128), (4097, 256), (1, 128)])
     quantizers = [
-        (8, None, "absmax"),
-        (4, None, "absmax"),
-        (2, None, "absmax"),
+        (8, 127, "absmax"),
+        (4, 7, "absmax"),
+        (2, 1, "absmax"),
         (2, 1, "norm"),
         (4, 7, "norm"),
     ]

@@ -102,6 +102,7 @@ def test_allreduce_methods_follow_the_algorithm_option():
     assert allreduce.message_sizes(65536, 300_000) == [65536, 131072, 262144]
 
 
+@pytest.mark.slow
 def test_every_script_has_help():
     for name in ("allreduce.py", "ddp_train.py", "convergence.py"):
         assert "usage:" in run_script(name, "--help").stdout
@@ -219,6 +220,7 @@ def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
     assert start_doc["settings"]["dense_steps"] == 21
 
 
+@pytest.mark.slow
 def test_convergence_rejects_bad_settings():
     result = run_script("convergence.py", "--momentum", "1", check=False)
     assert result.returncode == 2 and "--momentum" in result.stderr

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import gather, run_ranks, same_on_all_ranks
+from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm
@@ -73,7 +73,7 @@ def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
                     assert stats.bytes_sent > 0, where
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_compressor_and_algorithm_matches_dense_average(world_size):
     run_ranks(_every_compressor_and_algorithm, world_size)
 
@@ -91,6 +91,7 @@ def _none_is_dense_all_reduce(rank: int, world_size: int) -> None:
         torch.testing.assert_close(summed, expected * world_size, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_none_equals_torch_all_reduce():
     run_ranks(_none_is_dense_all_reduce, 3)
 
@@ -114,6 +115,7 @@ def _allgather_equals_local_decoding(rank: int, world_size: int) -> None:
         assert torch.equal(result, expected), name
 
 
+@pytest.mark.slow
 def test_allgather_is_bit_exact_sum_of_local_decodings():
     run_ranks(_allgather_equals_local_decoding, 3)
 
@@ -187,7 +189,7 @@ def _randk_dense_mean(rank: int, world_size: int) -> None:
             result = x.clone()
             gradcomp.all_reduce(result, compressor, feedback=memory, name="g", step=step)
             seed = compressor._shared_seed(Context(step=step, key=key))
-            picks = gradcomp.ops.reference.randk_indices(numel, k, seed)
+            picks = gradcomp.ops.backend("torch").randk_indices(numel, k, seed)
             off = torch.ones(numel, dtype=torch.bool)
             off[picks] = False
             if dtype == torch.float32:
@@ -205,6 +207,7 @@ def _randk_dense_mean(rank: int, world_size: int) -> None:
                 assert torch.equal(result[picks], summed) and not result[off].any()
 
 
+@pytest.mark.slow
 def test_randk_dense_mean_divides_summed_values_and_keeps_an_exact_residual():
     run_ranks(_randk_dense_mean, 3)
 
@@ -238,6 +241,7 @@ def _feedback_loses_nothing(rank: int, world_size: int) -> None:
                 )
 
 
+@pytest.mark.slow
 def test_error_feedback_conservation_across_ranks():
     run_ranks(_feedback_loses_nothing, 2)
 
@@ -259,6 +263,7 @@ def _async_returns_before_done(rank: int, world_size: int) -> None:
     assert stats.bytes_sent > 0
 
 
+@pytest.mark.slow
 def test_async_op():
     run_ranks(_async_returns_before_done, 2)
 
@@ -329,6 +334,7 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
     gradcomp.collectives.release_queues()
 
 
+@pytest.mark.slow
 def test_worker_overlaps_a_paused_job_with_the_next_in_order():
     run_ranks(_worker_overlaps_in_order, 1, timeout=120)
 
@@ -374,6 +380,7 @@ def _overlapped_jobs_match_one_at_a_time(rank: int, world_size: int) -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.slow
 def test_overlapped_jobs_are_bit_exact():
     run_ranks(_overlapped_jobs_match_one_at_a_time, 3)
 
@@ -390,6 +397,7 @@ def _nonfinite_is_never_hidden(rank: int, world_size: int) -> None:
                 assert not torch.isfinite(x).all(), f"{name}/{algorithm} hid {bad}"
 
 
+@pytest.mark.slow
 def test_nonfinite_input_on_one_rank_reaches_every_rank():
     run_ranks(_nonfinite_is_never_hidden, 2)
 
@@ -412,6 +420,7 @@ def _mismatched_settings_raise(rank: int, world_size: int) -> None:
     assert torch.equal(x, torch.ones(10))
 
 
+@pytest.mark.slow
 def test_ranks_with_different_settings_get_an_error_not_a_hang():
     run_ranks(_mismatched_settings_raise, 2, timeout=120)
 
@@ -435,6 +444,7 @@ def _bad_arguments(rank: int, world_size: int) -> None:
     assert torch.equal(x, torch.arange(20, dtype=torch.float32).view(4, 5).t())
 
 
+@pytest.mark.slow
 def test_bad_arguments_raise_clear_errors():
     run_ranks(_bad_arguments, 2)
 
@@ -473,6 +483,7 @@ def _named_compressor_keeps_its_residual(rank: int, world_size: int) -> None:
     assert memory.get(key).abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_compressor_by_name_reuses_its_residual():
     run_ranks(_named_compressor_keeps_its_residual, 2)
 
@@ -512,6 +523,7 @@ def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None
             assert torch.equal(got, expected), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_segmented_two_phase_is_bit_exact(world_size):
     run_ranks(_segmented_two_phase_matches_one_segment, world_size)
@@ -543,6 +555,7 @@ def _measured_error_is_the_compression_error(rank: int, world_size: int) -> None
     assert math.isnan(gradcomp.all_reduce(x.clone(), compressor, feedback=False).error_sq)
 
 
+@pytest.mark.slow
 def test_measured_error_is_the_compression_error():
     run_ranks(_measured_error_is_the_compression_error, 2)
 
@@ -576,6 +589,7 @@ def _stalled_peer_raises_within_the_timeout(rank: int, world_size: int, through:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("through", ["all_reduce", "ddp"])
 def test_a_stalled_peer_makes_the_others_raise_within_the_groups_timeout(through):
     run_ranks(_stalled_peer_raises_within_the_timeout, 3, through, group_timeout=GROUP_TIMEOUT)
@@ -603,5 +617,6 @@ def _subgroup_with_a_device_bound_default_group(rank: int, world_size: int) -> N
         default.bound_device_id = None
 
 
+@pytest.mark.slow
 def test_subgroups_work_with_a_device_bound_default_group():
     run_ranks(_subgroup_with_a_device_bound_default_group, 4)

@@ -14,14 +14,13 @@ import math
 
 import pytest
 import torch
+from utils import DTYPES, EPS32, assert_conserved, seeded_randn
 
 import gradcomp
 from gradcomp import Context, Payload, get_compressor
 from gradcomp.payload import ALIGN, buffer_size
 
-EPS32 = torch.finfo(torch.float32).eps
 NAMES = list(gradcomp.COMPRESSORS)
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # (name, options): every registered name with defaults, then the variants.
 VARIANTS = [(name, {}) for name in NAMES] + [
@@ -47,25 +46,9 @@ def variant_id(variant) -> str:
 VARIANT_IDS = [variant_id(v) for v in VARIANTS]
 
 
-def seeded_randn(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (shape,) if isinstance(shape, int) else shape
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
 def feedback_is_exact(name: str, options: dict) -> bool:
     """Whether decoded + residual reproduces x + residual bit for bit (values sent as copies)."""
     return name in ("none", "topk") or (name == "randk" and not options.get("rescale", False))
-
-
-def assert_conserved(decoded: torch.Tensor, residual: torch.Tensor, y: torch.Tensor, exact: bool) -> None:
-    total = decoded.float().reshape(-1) + residual.float()
-    if exact:
-        assert torch.equal(total, y), f"max |error| {(total - y).abs().max().item():.3e}"
-        return
-    bound = EPS32 * (y.abs() + decoded.float().reshape(-1).abs())
-    excess = (total - y).abs() - bound
-    assert (excess <= 0).all(), f"worst excess over the fp32 bound: {excess.max().item():.3e}"
 
 
 # ============================================================================= round trip
@@ -310,6 +293,7 @@ def _variance(name: str, options: dict, payload: Payload, x: torch.Tensor) -> to
     return step.pow(2) * fraction * (1 - fraction)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", UNBIASED_VARIANTS, ids=[variant_id(v) for v in UNBIASED_VARIANTS])
 def test_unbiased_compressors_mean_converges(variant):
     name, options = variant

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks, same_on_all_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.ddp import HookState, hook, register
@@ -183,6 +183,7 @@ def train_steps(model, rank, world_size, steps, optimizer_state=None):
     return optimizer
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_bit_identically():
     run_ranks(_resume_is_bit_identical, 2)
 
@@ -209,6 +210,7 @@ def _warmup_and_min_numel(rank: int, world_size: int) -> None:
     assert math.isnan(last.relative_error)  # not measured unless asked for
 
 
+@pytest.mark.slow
 def test_warmup_steps_and_min_numel_go_dense():
     run_ranks(_warmup_and_min_numel, 2)
 
@@ -227,6 +229,7 @@ def _gradient_accumulation(rank: int, world_size: int) -> None:
     assert same_on_all_ranks(flat_parameters(model)) and all(map(torch.isfinite, torch.tensor(losses)))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_no_sync():
     run_ranks(_gradient_accumulation, 2)
 
@@ -243,6 +246,7 @@ def _half_precision(rank: int, world_size: int) -> None:
             assert state.last_stats.dense_bytes == 2 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fp16_and_bf16_gradients():
     run_ranks(_half_precision, 2)
 
@@ -255,6 +259,7 @@ def _mismatch_raises(rank: int, world_size: int) -> None:
         torch.nn.functional.cross_entropy(model(inputs), labels).backward()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_compressors_fail_clearly():
     run_ranks(_mismatch_raises, 2, timeout=120)
 
@@ -273,6 +278,7 @@ def _nonfinite_gradients_reach_the_optimizer(rank: int, world_size: int) -> None
             assert torch.isfinite(state.feedback.get(key)).all(), name
 
 
+@pytest.mark.slow
 def test_inf_gradient_on_one_rank_is_seen_by_every_rank():
     run_ranks(_nonfinite_gradients_reach_the_optimizer, 2)
 
@@ -292,6 +298,7 @@ def _hook_reduces_over_the_models_group(rank: int, world_size: int) -> None:
         register(DDP(make_model(), process_group=mine), "int8", process_group=other)
 
 
+@pytest.mark.slow
 def test_hook_reduces_over_the_group_the_model_was_built_on():
     run_ranks(_hook_reduces_over_the_models_group, 4)
 

@@ -23,6 +23,7 @@ def test_demo_table_has_every_run():
         assert 0.5 < row.test_accuracy <= 1
 
 
+@pytest.mark.slow
 def test_bad_settings_are_rejected_before_spawning():
     with pytest.raises(ValueError, match="unknown demo runs"):
         demo.run_demo(["dense", "int9"])

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import seeded_randn
 
 from gradcomp import Context, ErrorFeedback, get_compressor
-
-
-def seeded_randn(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (shape,) if isinstance(shape, int) else shape
-    return torch.randn(shape, generator=generator).to(dtype)
 
 
 def test_zeros_on_first_use_and_same_tensor_after():

@@ -68,6 +68,7 @@ def _quick():
     return compile_records((90,), every=6)
 
 
+@pytest.mark.slow
 def test_a_sixth_of_the_specializations_compile_for_sm90():
     check(*_quick())
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_ranks
+from utils import run_ranks
 
 import gradcomp
 
@@ -97,6 +97,7 @@ def _int8_two_phase_within_target(rank: int, world_size: int) -> None:
     assert counts.total_dispatches <= INT8_TWO_PHASE_DISPATCHES, counts.summary()
 
 
+@pytest.mark.slow
 def test_int8_two_phase_bucket_launches_and_dispatches_within_target():
     run_ranks(_int8_two_phase_within_target, 2)
 
@@ -119,5 +120,6 @@ def _hook_makes_no_host_sync(rank: int, world_size: int) -> None:
     assert not counts.syncs, dict(counts.syncs)
 
 
+@pytest.mark.slow
 def test_ddp_hook_step_makes_no_host_sync():
     run_ranks(_hook_makes_no_host_sync, 2)

@@ -1,20 +1,8 @@
-"""Tests of the torch reference ops (the definition of correct) and of backend dispatch.
+"""What every op means, through the dispatch (the CPU backend on CPU tensors), the
+CPU backend's own paths (chunks, numpy, word packing), and backend dispatch.
 
-Tolerances used below:
-
-* Deterministic maps (packing, round-to-nearest decoding, selections) are
-  compared bit-exactly.
-* Error-feedback conservation ``decoded + residual_new == x + residual_old``
-  is exact for the selection ops (values are copied, never recomputed) and
-  holds within fp32 rounding for the quantizers: with ``y = x + residual_old``
-  and ``d`` the decoded value, the residual is ``fl(y - d)`` and the sum
-  ``fl(d + fl(y - d))`` differs from ``y`` by at most ``u (|y| + |y - d|)``,
-  ``u = 2**-24``; we allow ``eps32 * (|y| + |d|)`` with ``eps32 = 2**-23``,
-  which bounds it.
-* Unbiasedness is checked against the exact per-element variance of the
-  estimator: every element's mean over ``T`` independent seeds must lie within
-  5 standard errors of the input, and the mean squared z-score must be close
-  to 1 (a chi-square check that also catches a too-small spread).
+Every backend is compared with the reference in ``test_parity.py``; the
+tolerances are those of ``tests/utils.py``.
 """
 
 from __future__ import annotations
@@ -24,53 +12,12 @@ import math
 
 import pytest
 import torch
+from utils import DTYPES, EPS32, REFERENCE, assert_conserved, assert_unbiased, block_view, seeded_randn
 
 from gradcomp import ops
-from gradcomp.ops import reference
+from gradcomp.ops import cpu_backend, index_cache, reference
 
-EPS32 = torch.finfo(torch.float32).eps
 CPU = torch.device("cpu")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def seeded_randn(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(numel, generator=generator).to(dtype)
-
-
-def block_view(flat: torch.Tensor, block: int) -> torch.Tensor:
-    """``flat`` zero-padded to whole blocks, shaped ``(blocks, block)``."""
-    pad = (-flat.numel()) % block
-    return torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
-
-
-def assert_conserved(decoded: torch.Tensor, new_residual: torch.Tensor, y: torch.Tensor, exact: bool) -> None:
-    """``decoded + new_residual == y`` (exactly, or within the fp32 bound of the module docstring)."""
-    total = decoded.float() + new_residual.float()
-    if exact:
-        assert torch.equal(total, y)
-        return
-    bound = EPS32 * (y.abs() + decoded.float().abs())
-    excess = (total - y).abs() - bound
-    assert (excess <= 0).all(), f"worst excess over the fp32 bound: {excess.max().item():.3e}"
-
-
-def assert_unbiased(mean: torch.Tensor, target: torch.Tensor, variance: torch.Tensor, trials: int) -> None:
-    """Per-element 5-sigma bound plus a chi-square check on the z-scores."""
-    standard_error = torch.sqrt(variance / trials)
-    # Elements with (nearly) zero variance must be (nearly) exact; the slack
-    # covers fp32 rounding of level * scale.
-    slack = 8 * EPS32 * target.abs().clamp_min(1e-30)
-    error = (mean - target).abs()
-    assert (error <= 5 * standard_error + slack).all(), (
-        f"max |mean - x| / SE = {(error / (standard_error + slack)).max().item():.2f}"
-    )
-    varying = standard_error > 1e-6
-    assert varying.sum() >= 50, "too few random elements for the chi-square check"
-    mean_square_z = ((mean - target)[varying] / standard_error[varying]).pow(2).mean().item()
-    count = int(varying.sum())
-    # chi-square with `count` degrees of freedom, divided by count: mean 1, sd sqrt(2 / count).
-    assert abs(mean_square_z - 1) < 6 * math.sqrt(2 / count), mean_square_z
 
 
 # ============================================================================= bit packing
@@ -104,11 +51,13 @@ def test_pack_bits_word_path_is_the_position_path(bits, offset, stride):
         0, 2**bits, (4099 + offset + 4096 * stride,), generator=generator, dtype=torch.uint8
     )
     codes = storage[offset : offset + 4096 * stride : stride]
-    expected = reference._pack_positions(codes.clone(), bits)
-    assert torch.equal(reference._pack_words(codes, bits), expected)
+    expected = cpu_backend._pack_positions(codes.clone(), bits)
+    assert torch.equal(cpu_backend._pack_words(codes, bits), expected)
     assert torch.equal(ops.pack_bits(codes, bits), expected)
-    assert torch.equal(reference._unpack_words(expected, bits), reference._unpack_positions(expected, bits))
-    assert torch.equal(reference._unpack_words(expected, bits), codes)
+    assert torch.equal(
+        cpu_backend._unpack_words(expected, bits), cpu_backend._unpack_positions(expected, bits)
+    )
+    assert torch.equal(cpu_backend._unpack_words(expected, bits), codes)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +245,7 @@ def _randk_case(rescale):
     def run(x, residual):
         k = 50
         scale = x.numel() / k if rescale else 1.0
-        values = ops.randk_select(x, k, 8, residual, scale=scale)
+        values = ops.randk_select(x, k, 8, residual, multiplier=scale)
         indices = ops.randk_indices(x.numel(), k, 8)
         return ops.scatter_add(indices, values, torch.zeros(x.numel()))
 
@@ -388,6 +337,7 @@ def _stochastic_mean(x: torch.Tensor, block: int, levels: int, scale: str, trial
     return (total / trials).float()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale, levels", [("absmax", 7), ("absmax", 1), ("norm", 7), ("norm", 2)])
 def test_stochastic_rounding_is_unbiased(scale, levels):
     numel, block, trials = 300, 64, 1500
@@ -441,11 +391,11 @@ def _blockwise_round_trip(op: str, x: torch.Tensor, residual: torch.Tensor, bits
     """(payload, residual after, decoded into None / into a fp16 accumulator) of one op."""
     numel = x.numel()
     if op == "quantize":
-        payload = reference.quantize_blockwise(x, bits, block, residual=residual)
-        decode = lambda **kw: reference.dequantize_blockwise(*payload, bits, block, numel, **kw)  # noqa: E731
+        payload = REFERENCE.quantize_blockwise(x, bits, block, residual=residual)
+        decode = lambda **kw: REFERENCE.dequantize_blockwise(*payload, bits, block, numel, **kw)  # noqa: E731
     else:
-        payload = reference.sign_compress(x, block, residual)
-        decode = lambda **kw: reference.sign_decompress(*payload, block, numel, **kw)  # noqa: E731
+        payload = REFERENCE.sign_compress(x, block, residual)
+        decode = lambda **kw: REFERENCE.sign_decompress(*payload, block, numel, **kw)  # noqa: E731
     accumulator = torch.linspace(-1, 1, numel, dtype=torch.float16)
     return payload, residual, decode(), decode(out=accumulator, accumulate=True)
 
@@ -462,8 +412,8 @@ def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel
     x[numel // 2] = -math.inf
     residual = (seeded_randn(numel, seed=7) * 0.01).to(residual_dtype)
     whole = _blockwise_round_trip(op, x, residual.clone(), bits, block)
-    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
-    assert len(reference.chunks(numel, block, CPU)) > 10
+    monkeypatch.setattr(cpu_backend, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
+    assert len(cpu_backend.chunks(numel, block)) > 10
     chunked = _blockwise_round_trip(op, x, residual.clone(), bits, block)
     leaves = torch.utils._pytree.tree_leaves
     for got, expected in zip(leaves(chunked), leaves(whole), strict=True):
@@ -482,12 +432,12 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
 
     def select():
         kept = residual.clone()
-        values, indices = reference.topk_select(x, k, kept, seed=11)
+        values, indices = REFERENCE.topk_select(x, k, kept, seed=11)
         return values, indices, kept
 
     whole = select()
-    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)
-    assert len(reference.chunks(numel, 1, CPU)) > 1000
+    monkeypatch.setattr(cpu_backend, "CHUNK_ELEMENTS", 1)
+    assert len(cpu_backend.chunks(numel, 1)) > 1000
     for got, expected in zip(select(), whole, strict=True):
         assert torch.equal(got.isnan(), expected.isnan())
         assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
@@ -495,12 +445,10 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
 
 @pytest.mark.parametrize("numel, block", [(10_007, 100), (64, 256)])
 def test_chunks_cover_whole_blocks_and_bytes(numel, block):
-    chunks = reference.chunks(numel, block, CPU)
+    chunks = cpu_backend.chunks(numel, block)
     assert chunks[0][0] == 0 and chunks[-1][1] == numel
     assert all(end == next_start for (_, end), (next_start, _) in itertools.pairwise(chunks))
     assert all(start % block == 0 and start % 8 == 0 for start, _ in chunks)
-    # Only CPU tensors are chunked: on a GPU chunks would add launches and syncs.
-    assert reference.chunks(numel, block, torch.device("cuda")) == [(0, numel)]
 
 
 # ============================================================================= top-k
@@ -567,7 +515,7 @@ def test_topk_threshold_too_high_sends_every_candidate_and_pads(misjudge_thresho
     threshold = torch.topk(y.abs(), round(0.7 * k)).values.min()
     misjudge_threshold(lambda sampled: threshold)
     assert reference.sample_threshold(x, residual, k, seed=5) == threshold
-    values, indices = sent_entries(*reference.topk_select(x, k, residual, seed=5), k)
+    values, indices = sent_entries(*REFERENCE.topk_select(x, k, residual, seed=5), k)
     assert torch.equal(indices, torch.nonzero(y.abs() >= threshold).view(-1))
     assert torch.equal(values, y[indices])
     if residual is not None:
@@ -583,7 +531,7 @@ def test_topk_threshold_too_low_ranks_only_the_capacity(misjudge_threshold):
     x = seeded_randn(numel, seed=73)
     capacity = reference.candidate_capacity(k)
     misjudge_threshold(torch.zeros_like)
-    values, indices = sent_entries(*reference.topk_select(x, k, seed=5), k)
+    values, indices = sent_entries(*REFERENCE.topk_select(x, k, seed=5), k)
     expected = torch.topk(x[:capacity].abs(), k).indices.sort().values
     assert torch.equal(indices, expected) and torch.equal(values, x[expected])
 
@@ -638,10 +586,10 @@ def test_topk_bit_pattern_compare_is_the_magnitude_compare(threshold, pending):
         add = seeded_randn(y.numel(), seed=72, dtype=torch.float16)
         base = y.clone()
         expected = torch.nonzero(reference.selection_magnitude(y + add.float()) >= bound).view(-1)
-        got = reference._reaching(base, bound, add)
+        got = cpu_backend._reaching(base, bound, add)
         assert torch.equal(base.isnan(), (y + add.float()).isnan())
     else:
-        got = reference._reaching(y.clone(), bound)
+        got = cpu_backend._reaching(y.clone(), bound)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
 
@@ -692,14 +640,15 @@ def test_randk_indices_distinct_sorted_in_range_and_seeded(numel, k):
 )
 @pytest.mark.parametrize("seed", [0, 12345, 2**63 + 5])
 def test_randk_indices_numpy_walk_is_the_torch_walk(numel, k, seed):
-    """On CPU the cycle walk runs in numpy (uint32 halves); GPUs run it in torch
-    (int64 with masks): the same permutation, so the same indices."""
+    """The CPU backend walks the cycles in numpy (uint32 halves), the reference in
+    torch (int64 with masks): the same permutation, so the same indices."""
     half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
-    walked = reference._walk_numpy(numel, k, half_bits, keys)
+    walked = cpu_backend._walk_numpy(numel, k, half_bits, keys)
     assert walked.dtype == torch.int64
-    assert torch.equal(walked, reference._walk_torch(numel, k, half_bits, keys, torch.device("cpu")))
+    assert torch.equal(walked, REFERENCE.randk_indices(numel, k, seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numel, k, seeds", [(50, 5, 4000), (20, 10, 2000), (1000, 100, 1000)])
 def test_randk_indices_uniform(numel, k, seeds):
     """Each index is picked with probability k / numel: a chi-square test over many seeds."""
@@ -733,22 +682,22 @@ def test_randk_select_never_hides_non_finite(planted, numel, k):
 @pytest.mark.parametrize("scale", [1.0, 2.5])
 def test_randk_select_values_are_scaled_picks(scale):
     x = seeded_randn(1023, seed=72)
-    values = ops.randk_select(x, 30, 10, scale=scale)
+    values = ops.randk_select(x, 30, 10, multiplier=scale)
     assert torch.equal(values, x[ops.randk_indices(1023, 30, 10)] * scale)
 
 
 def test_randk_indices_recent_ones_are_reused_as_copies(monkeypatch):
-    monkeypatch.setattr(reference, "_RECENT_INDICES", {})  # what this test caches stays here
-    first = reference.randk_indices(100_000, 1000, seed=77)
+    monkeypatch.setattr(index_cache, "_recent", {})  # what this test caches stays here
+    first = cpu_backend.randk_indices(100_000, 1000, seed=77)
     first[:] = 0  # a caller scribbling on its copy
     calls = []
-    walk = reference._walk_numpy
-    monkeypatch.setattr(reference, "_walk_numpy", lambda *a: calls.append(a) or walk(*a))
-    again = reference.randk_indices(100_000, 1000, seed=77)
+    walk = cpu_backend._walk_numpy
+    monkeypatch.setattr(cpu_backend, "_walk_numpy", lambda *a: calls.append(a) or walk(*a))
+    again = cpu_backend.randk_indices(100_000, 1000, seed=77)
     assert not calls, "recomputed"
     assert torch.unique(again).numel() == 1000 and again.max() < 100_000
     assert torch.equal(again, again.sort().values)
-    reference.randk_indices(100_000, 1000, seed=78)  # another seed is computed
+    cpu_backend.randk_indices(100_000, 1000, seed=78)  # another seed is computed
     assert calls
 
 
@@ -759,12 +708,13 @@ def test_randk_select_finite_input_stays_finite():
     assert torch.isfinite(values).all(), values
 
 
+@pytest.mark.slow
 def test_randk_rescaled_is_unbiased():
     numel, k, trials = 200, 20, 3000
     x = seeded_randn(numel, seed=73)
     total = torch.zeros(numel, dtype=torch.float64)
     for seed in range(trials):
-        values = ops.randk_select(x, k, seed, scale=numel / k)
+        values = ops.randk_select(x, k, seed, multiplier=numel / k)
         total[ops.randk_indices(numel, k, seed)] += values.double()
     mean = (total / trials).float()
     # Sent with probability k / n as x * n / k: variance x^2 (n / k - 1).
@@ -816,13 +766,16 @@ def test_forced_bogus_backend_raises(monkeypatch):
         ops.topk_select(seeded_randn(100, seed=82), 3)
 
 
-@pytest.mark.parametrize("setting", ["torch", " Torch ", ""])
-def test_forced_torch_backend_runs_the_reference(monkeypatch, setting):
+@pytest.mark.parametrize(
+    "setting, backend", [("torch", "torch"), (" Torch ", "torch"), ("", "cpu"), ("cpu", "cpu")]
+)
+def test_forced_backend_runs_and_cpu_tensors_default_to_the_cpu_backend(monkeypatch, setting, backend):
     monkeypatch.setenv("GRADCOMP_BACKEND", setting)
     x = seeded_randn(1000, seed=83)
     _call_every_op(x)
     for op in ops.OP_NAMES:
-        assert ops.implementation(op, x.device) is getattr(reference, op)
+        expected = getattr(reference, op) if backend == "torch" else cpu_backend.FUNCTIONS[op]
+        assert ops.implementation(op, x.device) is expected, op
     q, scales = ops.quantize_blockwise(x, 4, 100, True, 3)
-    q_ref, scales_ref = reference.quantize_blockwise(x, 4, 100, True, 3)
+    q_ref, scales_ref = REFERENCE.quantize_blockwise(x, 4, 100, True, 3)
     assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)

@@ -14,10 +14,11 @@ import contextlib
 import itertools
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
+from utils import run_ranks
 
 import gradcomp
 from gradcomp import collectives, streams
@@ -199,5 +200,6 @@ def _all_reduce_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
     assert wait[2].stream is worker
 
 
+@pytest.mark.slow
 def test_async_all_reduce_runs_on_the_workers_stream_and_its_wait_on_the_event():
     run_ranks(_all_reduce_runs_on_the_worker_stream, 2)

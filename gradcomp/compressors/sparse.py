@@ -172,8 +172,8 @@ class RandK(_Sparse):
         numel = flat.numel()
         k = resolve_k(numel, self.ratio, self.k)
         seed = self._shared_seed(ctx)
-        scale = numel / k if self.rescale else 1.0
-        values = ops.randk_select(flat, k, seed, ctx.residual, scale=scale, value_dtype=flat.dtype)
+        multiplier = numel / k if self.rescale else 1.0
+        values = ops.randk_select(flat, k, seed, ctx.residual, multiplier=multiplier, value_dtype=flat.dtype)
         return {"values": values}, {"k": k, "seed": seed}
 
     def _indices(self, payload: Payload) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Kernel-level ops and backend dispatch.
 
-Each op has one torch reference (:mod:`gradcomp.ops.reference`) and zero or
-more GPU implementations. :func:`implementation` picks, for a tensor's
-device, the first available backend in ``BACKEND_PREFERENCE`` that provides
-the op. ``GRADCOMP_BACKEND=torch|triton|cuda`` forces one backend; forcing a
-backend that is not available, or that lacks the op, raises instead of
-silently falling back.
+Each op has one torch reference (:mod:`gradcomp.ops.reference`, backend
+``torch``: plain, runs anywhere) and faster implementations: ``cpu``
+(:mod:`gradcomp.ops.cpu_backend`), ``triton`` and ``cuda`` (GPU). Calling an
+op here checks its arguments once (:mod:`gradcomp.ops.checks`), then runs the
+first available backend in ``BACKEND_PREFERENCE`` that provides it for the
+tensors' device. ``GRADCOMP_BACKEND=torch|cpu|triton|cuda`` forces one
+backend; forcing a backend that is not available, or that lacks the op,
+raises instead of silently falling back.
 
 Example:
     >>> from gradcomp import ops
@@ -14,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -21,11 +24,11 @@ from collections.abc import Callable
 
 import torch
 
-from gradcomp.ops import reference
+from gradcomp.ops import checks, cpu_backend, reference
 
-BACKENDS = ("torch", "triton", "cuda")
-# Fastest first; torch is the fallback that always exists.
-BACKEND_PREFERENCE = ("cuda", "triton", "torch")
+BACKENDS = ("torch", "cpu", "triton", "cuda")
+# Fastest first; torch, the reference, is the fallback that always exists.
+BACKEND_PREFERENCE = ("cuda", "triton", "cpu", "torch")
 
 OP_NAMES = (
     "quantize_blockwise",
@@ -49,6 +52,7 @@ OP_NAMES = (
 # backend -> (is_available(device) -> bool, {op name: function})
 _REGISTRY: dict[str, tuple[Callable[[torch.device], bool], dict[str, Callable]]] = {
     "torch": (lambda device: True, {name: getattr(reference, name) for name in OP_NAMES}),
+    "cpu": (cpu_backend.is_available, cpu_backend.FUNCTIONS),
 }
 # Optional backends, imported on first use so that `import gradcomp` stays light
 # and never fails for lack of them: backend -> (module with FUNCTIONS and
@@ -59,7 +63,7 @@ _OPTIONAL = {
 }
 # Backends used when nothing is forced. The Triton interpreter runs on CPU
 # tensors too, but only for testing: it is used there only when forced.
-_AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "torch": ("cpu", "cuda")}
+_AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "cpu": ("cpu",), "torch": ("cpu", "cuda")}
 
 
 def _load_optional(name: str) -> None:
@@ -145,9 +149,44 @@ def implementation(op: str, device: torch.device) -> Callable:
     raise AssertionError("unreachable: the torch backend provides every op")
 
 
+def run_on(backend: str | None, op: str, *args, **kwargs):
+    """``op`` with these arguments, checked and completed, on ``backend`` (None:
+    the one :func:`implementation` picks for the tensors' device)."""
+    bound = checks.checked(op, args, kwargs)
+    if backend is None:
+        function = implementation(op, checks.device_of(bound.arguments))
+    else:
+        _load_optional(backend)
+        function = _REGISTRY[backend][1][op]
+    return function(*bound.args, **bound.kwargs)
+
+
+class Backend:
+    """The ops of one backend, each called with its arguments checked and
+    completed as the dispatching ops check them: ``ops.backend("cpu").pack_bits(codes, 2)``."""
+
+    def __init__(self, name: str):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+        self.name = name
+
+    def __getattr__(self, op: str) -> Callable:
+        if op not in OP_NAMES:
+            raise AttributeError(op)
+        return functools.partial(run_on, self.name, op)
+
+    def __repr__(self) -> str:
+        return f"ops.backend({self.name!r})"
+
+
+def backend(name: str) -> Backend:
+    """The ops of backend ``name`` (``torch``: the reference), arguments checked."""
+    return Backend(name)
+
+
 def _dispatching(op: str) -> Callable:
-    def run(x: torch.Tensor, *args, **kwargs):
-        return implementation(op, x.device)(x, *args, **kwargs)
+    def run(*args, **kwargs):
+        return run_on(None, op, *args, **kwargs)
 
     run.__name__ = op
     run.__doc__ = getattr(reference, op).__doc__
@@ -166,16 +205,10 @@ sign_decompress_rows = _dispatching("sign_decompress_rows")
 sign_decompress_sum = _dispatching("sign_decompress_sum")
 topk_select = _dispatching("topk_select")
 randk_select = _dispatching("randk_select")
+randk_indices = _dispatching("randk_indices")
 scatter_add = _dispatching("scatter_add")
 pack_bits = _dispatching("pack_bits")
 unpack_bits = _dispatching("unpack_bits")
-
-
-def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`gradcomp.ops.reference.randk_indices` on ``device``'s backend (a GPU
-    computes them in one kernel, not in the reference's loop of small ops)."""
-    device = torch.device(device)
-    return implementation("randk_indices", device)(numel, k, seed, device)
 
 
 index_dtype_for = reference.index_dtype_for
@@ -184,6 +217,9 @@ code_bits = reference.code_bits
 
 __all__ = [
     *OP_NAMES,
+    "Backend",
+    "backend",
+    "run_on",
     "check_forced_backend",
     "code_bits",
     "implementation",

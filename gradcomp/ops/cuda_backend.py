@@ -37,8 +37,6 @@ from pathlib import Path
 import numpy
 import torch
 
-from gradcomp.ops import reference
-
 logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -231,7 +229,8 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# ----------------------------------------------------------------------------- argument checks
+# ----------------------------------------------------------------------------- arguments
+# Arguments arrive checked and completed by gradcomp.ops.checks.
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -239,29 +238,9 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).contiguous()
 
 
-def _float_input(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    if tensor.dtype not in FLOAT_NAMES:
-        raise TypeError(f"{name}: dtype {tensor.dtype} is not one of {list(FLOAT_NAMES)}")
-    return _flat(tensor)
-
-
-def _same_device(tensor: torch.Tensor, like: torch.Tensor, name: str) -> None:
-    if tensor.device != like.device:
-        raise ValueError(f"{name} is on {tensor.device}, the other tensors on {like.device}")
-
-
-def _residual(residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """The residual as a flat view that the kernels update in place."""
-    if residual is None:
-        return None
-    if not residual.is_contiguous():
-        raise ValueError("the residual must be contiguous: the kernels update it in place")
-    if residual.dtype not in FLOAT_NAMES:
-        raise TypeError(f"residual: dtype {residual.dtype} is not one of {list(FLOAT_NAMES)}")
-    if residual.numel() != x.numel():
-        raise ValueError(f"residual has {residual.numel()} elements, the tensor {x.numel()}")
-    _same_device(residual, x, "residual")
-    return residual.view(-1)
+def _residual(residual: torch.Tensor | None) -> torch.Tensor | None:
+    """The (contiguous) residual as the flat view the kernels update in place."""
+    return None if residual is None else residual.view(-1)
 
 
 def _kernel_suffix(x: torch.Tensor, residual: torch.Tensor | None) -> str:
@@ -270,28 +249,6 @@ def _kernel_suffix(x: torch.Tensor, residual: torch.Tensor | None) -> str:
 
 def _pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
-
-
-def _output(out: torch.Tensor, numel: int) -> torch.Tensor:
-    """``out`` as the flat view a kernel writes into."""
-    if out.dtype not in FLOAT_NAMES:
-        raise TypeError(f"out: dtype {out.dtype} is not one of {list(FLOAT_NAMES)}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: the kernel writes into it in place")
-    if out.numel() != numel:
-        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
-    return out.view(-1)
-
-
-def _check_bits(bits: int) -> None:
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
-
-
-def _check_block(block: int) -> int:
-    if isinstance(block, bool) or int(block) != block or block < 1:
-        raise ValueError(f"block must be a positive integer, got {block!r}")
-    return int(block)
 
 
 # ----------------------------------------------------------------------------- Top-K
@@ -321,19 +278,9 @@ def topk_select(
     (``seed`` is not needed); ties at the k-th magnitude go to the lowest
     indices. NaN counts as the largest magnitude, like inf.
     """
-    x = _float_input(x, "x")
+    x = _flat(x)
     numel = x.numel()
-    k = int(k)
-    if not 0 < k <= numel:
-        raise ValueError(f"k must be in [1, {numel}], got {k}")
-    residual = _residual(residual, x)
-    index_dtype = index_dtype or reference.index_dtype_for(numel)
-    if index_dtype not in INDEX_CODES:
-        raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
-    if index_dtype == torch.int32 and numel > reference.INT32_LIMIT:
-        raise ValueError(f"int32 indices cannot address {numel} elements")
-    if value_dtype not in VALUE_CODES:
-        raise TypeError(f"value_dtype: {value_dtype} is not one of {list(VALUE_CODES)}")
+    residual = _residual(residual)
     device = x.device
     chunks, chunk = topk_chunks(numel, _multiprocessors(device.index))
     # Histograms, then state (the threshold's digits and how many of k remain), then per-chunk plans.
@@ -373,9 +320,8 @@ def sign_compress(
     x: torch.Tensor, block: int, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gradcomp.ops.reference.sign_compress` on CUDA kernels."""
-    x = _float_input(x, "x")
-    block = _check_block(block)
-    residual = _residual(residual, x)
+    x = _flat(x)
+    residual = _residual(residual)
     numel = x.numel()
     blocks = -(-numel // block)
     signs = torch.empty(-(-numel // 8), dtype=torch.uint8, device=x.device)
@@ -417,23 +363,8 @@ def sign_decompress(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.sign_decompress` on a CUDA kernel."""
-    block, numel = _check_block(block), int(numel)
-    packed = _flat(packed)
-    scales = _flat(scales).float()
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed signs must be uint8, got {packed.dtype}")
-    if packed.numel() < -(-numel // 8) or scales.numel() < -(-numel // block):
-        raise ValueError(
-            f"{packed.numel()} bytes of signs and {scales.numel()} scales cannot hold {numel} elements "
-            f"in blocks of {block}"
-        )
-    _same_device(scales, packed, "scales")
-    if out is None:
-        target = torch.empty(numel, dtype=torch.float32, device=packed.device)
-        accumulate = False
-    else:
-        target = _output(out, numel)
-        _same_device(target, packed, "out")
+    packed, scales = _flat(packed), _flat(scales).float()
+    target = torch.empty(numel, dtype=torch.float32, device=packed.device) if out is None else out.view(-1)
     if numel:
         arguments = (
             packed.data_ptr(),
@@ -453,7 +384,6 @@ def sign_decompress(
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.pack_bits` on a CUDA kernel."""
-    _check_bits(bits)
     codes = _flat(codes.to(torch.uint8))
     if bits == 8:
         return codes.clone()
@@ -468,8 +398,6 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.unpack_bits` on a CUDA kernel."""
-    _check_bits(bits)
-    numel = int(numel)
     if bits == 8:
         return packed.reshape(-1)[:numel]
     packed = _flat(packed.to(torch.uint8))
@@ -493,12 +421,8 @@ def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) 
     indices = _flat(indices)
     if indices.dtype not in INDEX_CODES:
         indices = indices.long()
-    target = _output(out, out.numel())
+    target = out.view(-1)
     values = _flat(values).to(target.dtype)
-    if indices.numel() != values.numel():
-        raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
-    _same_device(indices, target, "indices")
-    _same_device(values, target, "values")
     count = indices.numel()
     if count:
         name = f"scatter_add_{FLOAT_NAMES[target.dtype]}_{INDEX_NAMES[indices.dtype]}"

@@ -14,16 +14,14 @@ import torch
 
 from gradcomp import kernels
 from gradcomp.kernels.common import residual_view
-from gradcomp.ops import reference
+from gradcomp.ops import index_cache, reference
 
 
 def randk_indices(numel: int, k: int, seed: int, device) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.randk_indices` on the Triton kernel."""
-    if not 0 < k <= numel:
-        raise ValueError(f"k must be in [1, {numel}], got {k}")
     device = torch.device(device)
     half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
-    return reference.remembered_indices(
+    return index_cache.remembered(
         "triton", numel, k, seed, device, lambda: kernels.randk_indices(numel, k, half_bits, keys, device)
     )
 
@@ -34,15 +32,15 @@ def randk_select(
     seed: int,
     residual: torch.Tensor | None = None,
     *,
-    scale: float = 1.0,
+    multiplier: float = 1.0,
     value_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """:func:`gradcomp.ops.reference.randk_select` on Triton kernels."""
     x = x.reshape(-1)
-    residual = residual_view(residual, x.numel(), x.device)
+    residual = residual_view(residual)
     indices = randk_indices(x.numel(), k, seed, x.device)
     # Gather before the pass that overwrites the residual with x + residual.
-    values, lost = kernels.gather_compensated(x, residual, indices, scale, value_dtype)
+    values, lost = kernels.gather_compensated(x, residual, indices, multiplier, value_dtype)
     flags = kernels.compensate(x, residual)
     if residual is not None:
         residual[indices] = lost.to(residual.dtype)
@@ -66,10 +64,7 @@ def topk_select(
     ``torch.topk``)."""
     x = x.reshape(-1)
     numel = x.numel()
-    if not 0 < k <= numel:
-        raise ValueError(f"k must be in [1, {numel}], got {k}")
-    residual = residual_view(residual, x.numel(), x.device)
-    index_dtype = index_dtype or reference.index_dtype_for(numel)
+    residual = residual_view(residual)
     if exact or k == numel:
         return reference.topk_select(x, k, residual, True, index_dtype=index_dtype, value_dtype=value_dtype)
     capacity = reference.candidate_capacity(k)

@@ -1,0 +1,207 @@
+"""The checks of every op's arguments, made once, at the op boundary, for every backend.
+
+:func:`checked` binds a call to the op's signature (the reference's), checks
+each argument by its name (the ops share their names: ``x``, ``residual``,
+``bits``, ``levels``, ``out``, ...), and completes the defaults that depend
+on other arguments (``levels``, ``index_dtype``). Backends receive valid,
+complete arguments and check nothing themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from gradcomp.ops import reference
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@functools.cache
+def _signature(op: str) -> inspect.Signature:
+    return inspect.signature(getattr(reference, op))
+
+
+def checked(op: str, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """``op``'s arguments bound, checked and completed; raises ``TypeError`` or
+    ``ValueError`` naming the argument at fault."""
+    bound = _signature(op).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = bound.arguments
+    for name in values:
+        check = _CHECKS.get(name)
+        if check is not None:
+            check(values, op)
+    return bound
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(name: str):
+    def check(values: dict, op: str) -> None:
+        value = values[name]
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{op}: {name} must be a positive integer, got {value!r}")
+
+    return check
+
+
+def _float_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if value.dtype not in FLOATS:
+        raise TypeError(f"{name}: dtype {value.dtype} is not one of {list(FLOATS)}")
+
+
+def _numel(values: dict) -> int:
+    """The element count the op works on: ``numel``, else ``x``'s."""
+    return values["numel"] if "numel" in values else values["x"].numel()
+
+
+def device_of(values: dict) -> torch.device:
+    for name in ("x", "q", "packed", "codes", "rows", "indices"):
+        if isinstance(values.get(name), torch.Tensor):
+            return values[name].device
+    return torch.device(values.get("device", "cpu"))
+
+
+def _x(values: dict, op: str) -> None:
+    _float_tensor("x", values["x"])
+
+
+def _residual(values: dict, op: str) -> None:
+    residual = values["residual"]
+    if residual is None:
+        return
+    _float_tensor("residual", residual)
+    if not residual.is_contiguous():
+        raise ValueError("the residual must be contiguous: it is updated in place")
+    if residual.numel() != values["x"].numel():
+        raise ValueError(f"residual has {residual.numel()} elements, the tensor {values['x'].numel()}")
+    if residual.device != values["x"].device:
+        raise ValueError(f"residual is on {residual.device}, the tensor on {values['x'].device}")
+
+
+def _bits(values: dict, op: str) -> None:
+    if values["bits"] not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {values['bits']!r}")
+
+
+def _levels(values: dict, op: str) -> None:
+    bits, levels = values["bits"], values["levels"]
+    if levels is None:
+        levels = values["levels"] = 2 ** (bits - 1) - 1
+    if not _is_int(levels) or levels < 1:
+        raise ValueError(f"levels must be at least 1 (bits={bits} without levels gives {levels})")
+    if reference.code_bits(levels) > bits:
+        raise ValueError(f"{bits} bits cannot hold levels={levels}")
+
+
+def _scale(values: dict, op: str) -> None:
+    if values["scale"] not in ("absmax", "norm"):
+        raise ValueError(f"scale must be 'absmax' or 'norm', got {values['scale']!r}")
+
+
+def _k(values: dict, op: str) -> None:
+    numel, k = _numel(values), values["k"]
+    if not _is_int(k) or not 0 < k <= numel:
+        raise ValueError(f"k must be in [1, {numel}], got {k!r}")
+
+
+def _numel_value(values: dict, op: str) -> None:
+    if not _is_int(values["numel"]) or values["numel"] < 0:
+        raise ValueError(f"numel must be a non-negative integer, got {values['numel']!r}")
+
+
+def _chunk(values: dict, op: str) -> None:
+    _positive("chunk")(values, op)
+    if values["chunk"] % values["block"]:
+        raise ValueError(f"chunk {values['chunk']} must hold whole blocks of {values['block']}")
+
+
+def _rows(values: dict, op: str) -> None:
+    rows, bits = values["rows"], values.get("bits", 1)
+    if (
+        rows.dtype != torch.uint8
+        or rows.dim() != 2
+        or rows.stride(1) != 1
+        or rows.stride(0) % reference.ALIGN
+    ):
+        raise ValueError(
+            f"rows must be a 2-D uint8 tensor of contiguous rows {reference.ALIGN} bytes aligned, "
+            f"got {rows.dtype} {tuple(rows.shape)} with strides {rows.stride()}"
+        )
+    if (values["block"] * bits) % 8:
+        raise ValueError(f"rows hold whole bytes of codes a block: block {values['block']}, {bits} bits")
+
+
+def _out(values: dict, op: str) -> None:
+    out = values["out"]
+    if out is None:
+        if values.get("accumulate"):
+            raise ValueError("accumulate=True needs out=")
+        return
+    _float_tensor("out", out)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is written in place")
+    if ("numel" in values or "x" in values) and out.numel() != _numel(values):
+        raise ValueError(f"out has {out.numel()} elements, expected {_numel(values)}")
+    if out.device != device_of(values):
+        raise ValueError(f"out is on {out.device}, the inputs on {device_of(values)}")
+
+
+def _index_dtype(values: dict, op: str) -> None:
+    numel = _numel(values)
+    if values["index_dtype"] is None:
+        values["index_dtype"] = reference.index_dtype_for(numel)
+    if values["index_dtype"] not in INDEX_DTYPES:
+        raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {values['index_dtype']}")
+    if values["index_dtype"] == torch.int32 and numel > reference.INT32_LIMIT:
+        raise ValueError(f"int32 indices cannot address {numel} elements")
+
+
+def _value_dtype(values: dict, op: str) -> None:
+    if values["value_dtype"] not in FLOATS:
+        raise TypeError(f"value_dtype: {values['value_dtype']} is not one of {list(FLOATS)}")
+
+
+def _indices(values: dict, op: str) -> None:
+    indices, given = values["indices"], values["values"]
+    if indices.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
+    if indices.numel() != given.numel():
+        raise ValueError(f"{indices.numel()} indices but {given.numel()} values")
+
+
+def _codes(name: str):
+    def check(values: dict, op: str) -> None:
+        if values[name].dtype != torch.uint8:
+            raise TypeError(f"{name} must be uint8, got {values[name].dtype}")
+
+    return check
+
+
+_CHECKS = {
+    "x": _x,
+    "residual": _residual,
+    "bits": _bits,
+    "block": _positive("block"),
+    "levels": _levels,
+    "scale": _scale,
+    "k": _k,
+    "numel": _numel_value,
+    "chunk": _chunk,
+    "rows": _rows,
+    "out": _out,
+    "index_dtype": _index_dtype,
+    "value_dtype": _value_dtype,
+    "indices": _indices,
+    "divisor": _positive("divisor"),
+    "q": _codes("q"),
+    "packed": _codes("packed"),
+}

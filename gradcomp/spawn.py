@@ -1,0 +1,105 @@
+"""Processes on this machine as Gloo ranks: what the demo, the bench scripts and the tests share.
+
+Example:
+    >>> def body(rank, world_size, scale):
+    ...     x = torch.ones(4) * rank * scale
+    ...     gradcomp.all_reduce(x, "int8")
+    ...     return x.tolist()
+    >>> gradcomp.spawn.run_ranks(body, 2, 10.0)  # rank 0's result
+    [5.0, 5.0, 5.0, 5.0]
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RanksFailed(RuntimeError):
+    """A spawned rank raised, died, or was still running at the deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _entry(rank, world_size, port, group_timeout, threads, result_path, body, args) -> None:
+    # A rank still running at the deadline is sent SIGUSR1 first: its threads' stacks go to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=group_timeout),
+    )
+    try:
+        result = body(rank, world_size, *args)
+        if rank == 0:
+            with open(result_path, "wb") as file:
+                pickle.dump(result, file)
+    finally:
+        from gradcomp import collectives  # the package imports this module
+
+        collectives.release_queues()
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    body: Callable,
+    world_size: int,
+    *args,
+    timeout: float = 600.0,
+    group_timeout: float = 60.0,
+    threads: int = 1,
+):
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned processes,
+    each a rank of a Gloo group over 127.0.0.1 whose default timeout is
+    ``group_timeout`` seconds, with ``threads`` torch threads; return rank 0's
+    result (picklable).
+
+    Raises:
+        RanksFailed: a rank raised (its traceback in the message), died, or was
+            still running after ``timeout`` seconds (a hang: the ranks' stacks
+            go to stderr before they are killed).
+    """
+    with tempfile.TemporaryDirectory(prefix="gradcomp-ranks-") as directory:
+        result_path = os.path.join(directory, "result.pickle")
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), group_timeout, threads, result_path, body, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        os.kill(process.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    for process in context.processes:
+                        process.kill()
+                    raise RanksFailed(f"ranks still running after {timeout:.0f} s (a hang)")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            raise RanksFailed(str(error)) from None
+        if not os.path.exists(result_path):
+            return None
+        with open(result_path, "rb") as file:
+            return pickle.load(file)
