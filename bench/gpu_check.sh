@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU check, one script for one GPU (every step has a timeout; 7.5 minutes at most):
 #   1. parity of every GPU implementation against the torch reference:
-#      tests/test_triton.py (real Triton kernels, no interpreter) and
-#      tests/test_cuda.py (the CUDA kernels of csrc/, compiled with NVRTC);
+#      tests/test_parity.py for the triton backend (real Triton kernels, no
+#      interpreter) and the cuda backend (the CUDA kernels of csrc/, compiled
+#      with NVRTC), then the backend-specific tests/test_triton.py and
+#      tests/test_cuda.py;
 #   2. the DDP hook end to end (bench/gpu_ddp.py): one rank over NCCL and two
 #      ranks over Gloo on CUDA tensors, against the torch backend, and one step
 #      profiled: which streams gradcomp's kernels ran on, how much they
@@ -40,13 +42,14 @@ export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$out/gpu_check-device.txt"
 
 cd "$tree"
-# The slow-marked tests run CPU ranks through Triton's interpreter: not a GPU check.
-timeout 110 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" tests/test_triton.py 2>&1 \
+# The slow-marked tests run CPU ranks through Triton's interpreter or compile
+# with nvcc: not a GPU check.
+timeout 110 python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "triton or cuda" tests/test_parity.py 2>&1 \
   | tee "$out/gpu_check-parity.txt"
 parity=${PIPESTATUS[0]}
-timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
-  | tee "$out/gpu_check-cuda.txt"
-cuda=${PIPESTATUS[0]}
+timeout 80 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py tests/test_cuda.py 2>&1 \
+  | tee "$out/gpu_check-backends.txt"
+backends=${PIPESTATUS[0]}
 timeout 150 python3 "$repo/bench/gpu_ddp.py" --out "$out" 2>&1 | tee "$out/gpu_check-ddp.txt"
 ddp=${PIPESTATUS[0]}
 cd "$repo"
@@ -57,5 +60,5 @@ if [ "$out" != "$repo/bench/results" ]; then
   cp bench/results/kernels-*.csv bench/results/kernels-*.json "$out/" 2>/dev/null
 fi
 rm -rf "$tree"
-echo "gpu_check: triton parity exit $parity, cuda parity exit $cuda, ddp exit $ddp, kernels bench exit $bench"
-[ "$parity" -eq 0 ] && [ "$cuda" -eq 0 ] && [ "$ddp" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu_check: parity exit $parity, backend tests exit $backends, ddp exit $ddp, kernels bench exit $bench"
+[ "$parity" -eq 0 ] && [ "$backends" -eq 0 ] && [ "$ddp" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -13,16 +13,9 @@ How the hook keeps a training run safe:
 * Every bucket's collectives go through the group's ordered worker
   (:mod:`gradcomp.collectives`), in bucket order, which is the same on every
   rank; hooks return at once, so communication overlaps the backward pass.
-* Residuals are keyed by ``bucket.index()`` and remembered per parameter
-  layout. When DDP rebuilds its buckets after the first iteration, the
-  residuals are cut per parameter and reassembled for the new buckets: no
-  feedback is lost (only the small per-chunk residuals of ``two_phase`` are
-  reset).
-* ``state_dict()`` records the bucket layouts. A resumed process starts with
-  DDP's initial buckets, not the rebuilt ones the checkpoint saw; for that
-  first iteration the hook holds all buckets, regroups the gradients into the
-  saved layout, and reduces them exactly as the uninterrupted run would have,
-  so the run continues bit for bit.
+* Residuals follow the parameters when DDP rebuilds its buckets, and a
+  resumed run regroups its first iteration's buckets into the saved ones, so
+  it continues bit for bit (:mod:`gradcomp.buckets`).
 """
 
 import dataclasses
@@ -35,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops, streams
+from gradcomp.buckets import BucketLayout, BucketLayouts
 from gradcomp.collectives import Job, ReduceStats, check_algorithm, drive, job_steps, queue_for
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
@@ -42,9 +36,6 @@ from gradcomp.feedback import ErrorFeedback
 logger = logging.getLogger(__name__)
 
 _DENSE = NoCompression()
-
-# A bucket layout: ((parameter number, numel), ...) in bucket order.
-Layout = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass
@@ -120,15 +111,10 @@ class HookState:
         "algorithm",
         "measure_error",
         "history",
-        # progress and memory
+        # progress and residuals
         "step",
         "feedback",
-        # bucket layouts: parameter numbering, each bucket's parameters, a restored layout
-        "_param_numbers",
-        "_layouts",
-        "_restored_layouts",
-        "_pieces",
-        "_held",
+        "buckets",
         # statistics (written by the collective worker)
         "stats",
         "_open_stats",
@@ -159,11 +145,7 @@ class HookState:
         self.history = history
         self.step = 0
         self.feedback = ErrorFeedback(residual_dtype)
-        self._param_numbers: dict[int, int] = {}
-        self._layouts: dict[int, Layout] = {}
-        self._restored_layouts: dict[int, Layout] | None = None
-        self._pieces: dict[int, torch.Tensor] = {}
-        self._held: list = []
+        self.buckets = BucketLayouts(self.feedback)
         self.stats: list[StepStats] = []
         self._open_stats: dict[int, StepStats] = {}
         logger.info(
@@ -187,8 +169,7 @@ class HookState:
             "step": self.step,
             "settings": self.compressor.settings(),
             "feedback": self.feedback.state_dict(),
-            "layouts": dict(self._layouts),
-            "pieces": {k: v.clone() for k, v in self._pieces.items()},
+            **self.buckets.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -200,10 +181,7 @@ class HookState:
             )
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
-        self._pieces = {k: v.clone() for k, v in state["pieces"].items()}
-        self._layouts = {int(k): tuple(v) for k, v in state["layouts"].items()}
-        self._restored_layouts = dict(self._layouts) if self._layouts else None
-        self._param_numbers = {}
+        self.buckets.load_state_dict(state)
 
     def __getstate__(self):
         # Process groups cannot be pickled; like torch's hooks, drop it.
@@ -214,55 +192,11 @@ class HookState:
             setattr(self, name, value)
         self.process_group = None
 
-    # ------------------------------------------------------------------ layouts
-    # A layout is a bucket's ((parameter number, numel), ...). Parameters are
-    # numbered in the order the first iteration's buckets present them, which
-    # depends only on the model and DDP's bucket caps: the same in a resumed
-    # process as in the run that saved the checkpoint.
-    def _layout_of(self, bucket: dist.GradBucket) -> Layout:
-        layout = []
-        for parameter in bucket.parameters():
-            number = self._param_numbers.setdefault(id(parameter), len(self._param_numbers))
-            layout.append((number, parameter.numel()))
-        return tuple(layout)
-
-    def _cut_residuals(self) -> None:
-        """Cut every bucket residual into per-parameter pieces (buckets are changing)."""
-        for index, layout in self._layouts.items():
-            self.feedback.pop(("two_phase", index))
-            residual = self.feedback.pop(index)
-            if residual is None:
-                continue
-            for (number, _), piece in zip(layout, residual.split([n for _, n in layout]), strict=True):
-                self._pieces[number] = piece.clone()
-        self._layouts = {}
-
-    def _adopt_layout(self, index: int, layout: Layout, like: torch.Tensor) -> None:
-        """Make ``layout`` bucket ``index``'s, assembling its residual from pieces.
-
-        Runs on the collective worker, so no bucket still in flight loses its residual.
-        """
-        if self._layouts.get(index) == layout:
-            return
-        owned = {number for other in self._layouts.values() for number, _ in other}
-        if index in self._layouts or any(number in owned for number, _ in layout):
-            self._cut_residuals()
-        self._layouts[index] = layout
-        if any(number in self._pieces for number, _ in layout):
-            dtype = torch.float32 if self.feedback.dtype == "fp32" else like.dtype
-            parts = [
-                self._pieces.pop(number).to(dtype)
-                if number in self._pieces
-                else torch.zeros(numel, dtype=dtype, device=like.device)
-                for number, numel in layout
-            ]
-            self.feedback.set(index, torch.cat(parts))
-
     # ------------------------------------------------------------------ reduction (worker thread)
-    def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout, step: int, last: bool, q):
-        """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce ``tensor`` in
-        place; their result is ``tensor``."""
-        self._adopt_layout(index, layout, tensor)
+    def reduce(self, tensor: torch.Tensor, index: int, layout: BucketLayout, step: int, last: bool, q):
+        """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce bucket
+        ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
+        self.buckets.adopt(index, layout, tensor)
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         job = Job(
             tensor,
@@ -282,30 +216,14 @@ class HookState:
             del self.stats[: max(0, len(self.stats) - self.history)]
         return tensor
 
-    def _reduce_held(self, step: int, q) -> None:
-        """Reduce the held buckets regrouped into the restored layout, then write them back."""
-        held, self._held = self._held, []
-        views = {}
-        for buffer, layout, _ in held:
-            for (number, numel), view in zip(
-                layout, buffer.view(-1).split([n for _, n in layout]), strict=True
-            ):
-                views[number] = (numel, view)
-        restored = self._restored_layouts
-        wanted = {number: numel for layout in restored.values() for number, numel in layout}
-        if {n: numel for n, (numel, _) in views.items()} != wanted:
-            raise ValueError(
-                "the restored hook state's buckets do not hold this model's parameters "
-                "(was it saved for another model or another bucket_cap_mb?)"
-            )
-        indices = sorted(restored)
-        for position, index in enumerate(indices):
-            layout = restored[index]
-            flat = torch.cat([views[number][1] for number, _ in layout])
-            drive(self._reduce(flat, index, layout, step, position == len(indices) - 1, q))
-            for (number, _), piece in zip(layout, flat.split([n for _, n in layout]), strict=True):
-                views[number][1].copy_(piece)
-        self._restored_layouts = None
+    def reduce_held(self, step: int, q) -> None:
+        """Reduce the buckets held by a resumed run's first iteration
+        (:meth:`BucketLayouts.reduce_held`)."""
+
+        def reduce(flat: torch.Tensor, index: int, layout: BucketLayout, last: bool) -> None:
+            drive(self.reduce(flat, index, layout, step, last, q))
+
+        self.buckets.reduce_held(reduce)
 
 
 def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -320,19 +238,18 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     q = queue_for(state.process_group)
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
-    layout = state._layout_of(bucket)
+    layout = state.buckets.layout_of(bucket)
     step = state.step
     if last:
         state.step += 1
-    if state._restored_layouts is not None and (index != 0 or state._restored_layouts.get(0) != layout):
+    if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
         future = streams.new_future(buffer.device)
-        state._held.append((buffer, layout, future))
+        state.buckets.hold(buffer, layout, future)
         if last:
-            q.submit(lambda: _finish_held(state, step, q), buffer.device)
+            q.submit(lambda: state.reduce_held(step, q), buffer.device)
         return future
-    state._restored_layouts = None
-    steps = functools.partial(state._reduce, buffer, index, layout, step, last, q)
+    steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer)
     return future.then(_value)
 
@@ -343,20 +260,10 @@ def _value(future: torch.futures.Future) -> torch.Tensor:
     return future.value()
 
 
-def _finish_held(state: HookState, step: int, q) -> None:
-    futures = [(buffer, future) for buffer, _, future in state._held]
-    try:
-        state._reduce_held(step, q)
-    except BaseException as error:
-        for _, future in futures:
-            future.set_exception(error)
-        raise
-    for buffer, future in futures:
-        future.set_result(buffer)
-
-
 # The HookState options register() takes; every other keyword goes to the compressor.
-_STATE_OPTIONS = tuple(inspect.signature(HookState.__init__).parameters)[2:]
+_STATE_OPTIONS = tuple(
+    name for name in inspect.signature(HookState.__init__).parameters if name not in ("self", "compressor")
+)
 
 
 def register(

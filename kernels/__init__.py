@@ -20,7 +20,7 @@ from .sign import (
     sign_decompress_rows,
     sign_decompress_sum,
 )
-from .sparse import compensate, gather_compensated, randk_indices, scatter_add, select_candidates
+from .sparse import fold_into_residual, gather_compensated, randk_indices, scatter_add, select_candidates
 
 
 def interpreting() -> bool:
@@ -34,10 +34,10 @@ def is_available(device: torch.device) -> bool:
 
 
 __all__ = [
-    "compensate",
     "dequantize_blockwise",
     "dequantize_rows",
     "dequantize_sum",
+    "fold_into_residual",
     "gather_compensated",
     "interpreting",
     "is_available",

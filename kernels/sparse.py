@@ -4,7 +4,7 @@ The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
 
 * random-K: :func:`randk_indices` (a keyed permutation, cycle-walked into
   range), :func:`gather_compensated` (values at the picks and what sending
-  them loses), :func:`compensate` (one pass: ``residual <- x + residual``,
+  them loses), :func:`fold_into_residual` (one pass: ``residual <- x + residual``,
   non-finite flags per block);
 * Top-K: :func:`select_candidates`, a counting kernel and a compaction
   kernel (block offsets from a prefix sum: ascending, deterministic output)
@@ -81,9 +81,7 @@ def _gather_kernel(
 
 
 @triton.jit
-def _compensate_kernel(
-    x_ptr, residual_ptr, flags_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
-):
+def _fold_kernel(x_ptr, residual_ptr, flags_ptr, numel, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     if HAS_RESIDUAL:
@@ -188,13 +186,13 @@ def gather_compensated(
     return values, lost
 
 
-def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def fold_into_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``residual <- finite(x + residual)`` in one pass (when given); returns a
     per-block flag (int32) of inf or NaN in ``x + residual``."""
     numel = x.numel()
     flags = torch.zeros(max(1, triton.cdiv(numel, ELEMENTS_PER_PROGRAM)), dtype=torch.int32, device=x.device)
     if numel:
-        _compensate_kernel[(triton.cdiv(numel, ELEMENTS_PER_PROGRAM),)](
+        _fold_kernel[(triton.cdiv(numel, ELEMENTS_PER_PROGRAM),)](
             x,
             residual if residual is not None else x,
             flags,

@@ -309,8 +309,8 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
             add(f"select_candidates x={x_name} r={r_name}", select)
         if value_name == "float32":
             add(
-                f"compensate x={x_name} r={r_name}",
-                lambda x_name=x_name, r_name=r_name: kernels.compensate(
+                f"fold_into_residual x={x_name} r={r_name}",
+                lambda x_name=x_name, r_name=r_name: kernels.fold_into_residual(
                     tensor(4097, x_name), None if r_name is None else tensor(4097, r_name)
                 ),
             )

@@ -471,13 +471,13 @@ def test_all_reduce_without_process_group_raises():
 
 
 def _named_compressor_keeps_its_residual(rank: int, world_size: int) -> None:
-    from gradcomp.collectives import _DEFAULT_MEMORY
+    from gradcomp.collectives import _DEFAULT_FEEDBACK
 
     for _ in range(5):
         gradcomp.all_reduce(_input(rank, 4097, torch.float32), "int8", name="g")
     # One memory, one residual: feedback carries over and nothing piles up.
-    assert len(_DEFAULT_MEMORY) == 1
-    ((memory, counters),) = _DEFAULT_MEMORY.values()
+    assert len(_DEFAULT_FEEDBACK) == 1
+    ((memory, counters),) = _DEFAULT_FEEDBACK.values()
     key = gradcomp.collectives.key_of("g")
     assert set(memory.keys()) == {key, ("two_phase", key)} and counters["g"] == 5
     assert memory.get(key).abs().sum() > 0
@@ -493,7 +493,7 @@ def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None
     # into many segments must give the bits of one segment: results and the
     # senders' residuals (the owners' hold other elements per segmentation),
     # over steps with error feedback, odd sizes and blocks.
-    from gradcomp import collectives
+    from gradcomp.collectives import two_phase
 
     numel = 10_007
     for name, options in (
@@ -505,7 +505,7 @@ def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None
         compressor = gradcomp.get_compressor(name, **options)
         runs = {}
         for segment in (numel, 300):
-            collectives.SEGMENT_ELEMENTS = segment
+            two_phase.SEGMENT_ELEMENTS = segment
             memory, results = gradcomp.ErrorFeedback(), []
             for step in range(3):
                 result = _input(rank, numel, torch.float32, salt=step)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
+from gradcomp.buckets import BucketLayouts
 from gradcomp.ddp import HookState, hook, register
 
 BUCKET_MB = 0.02  # one bucket per hidden layer of the model below
@@ -327,19 +328,20 @@ def test_load_state_dict_rejects_other_settings():
 
 
 def test_residuals_follow_parameters_when_buckets_are_rebuilt():
-    state = HookState("int8")
+    feedback = gradcomp.ErrorFeedback()
+    buckets = BucketLayouts(feedback)
     # One bucket of parameters 0 (3 elements) and 1 (2 elements)...
-    state._adopt_layout(0, ((0, 3), (1, 2)), torch.zeros(5))
-    state.feedback.set(0, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    buckets.adopt(0, ((0, 3), (1, 2)), torch.zeros(5))
+    feedback.set(0, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
     # ...rebuilt into two buckets in the other order.
-    state._adopt_layout(0, ((1, 2),), torch.zeros(2))
-    state._adopt_layout(1, ((0, 3),), torch.zeros(3))
-    assert torch.equal(state.feedback.get(0), torch.tensor([4.0, 5.0]))
-    assert torch.equal(state.feedback.get(1), torch.tensor([1.0, 2.0, 3.0]))
-    assert not state._pieces
+    buckets.adopt(0, ((1, 2),), torch.zeros(2))
+    buckets.adopt(1, ((0, 3),), torch.zeros(3))
+    assert torch.equal(feedback.get(0), torch.tensor([4.0, 5.0]))
+    assert torch.equal(feedback.get(1), torch.tensor([1.0, 2.0, 3.0]))
+    assert buckets.state_dict() == {"layouts": {0: ((1, 2),), 1: ((0, 3),)}, "pieces": {}}
     # A bucket of a parameter that never had a residual starts from zeros.
-    state._adopt_layout(2, ((2, 4),), torch.zeros(4))
-    assert state.feedback.get(2) is None
+    buckets.adopt(2, ((2, 4),), torch.zeros(4))
+    assert feedback.get(2) is None
 
 
 def test_hook_signature_is_accepted_by_ddp():

@@ -10,7 +10,6 @@ otherwise: no fused multiply-add, no flushed subnormals, no approximations.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -61,16 +60,6 @@ def check(defined: list[str], records: list[dict]) -> None:
         and r["fma"] + r["ftz"] + r["approximate"]
     ]
     assert not inexact, "exact kernels with instructions that round otherwise:\n" + "\n".join(inexact[:10])
-
-
-@functools.cache
-def _quick():
-    return compile_records((90,), every=6)
-
-
-@pytest.mark.slow
-def test_a_sixth_of_the_specializations_compile_for_sm90():
-    check(*_quick())
 
 
 @pytest.mark.slow

@@ -78,8 +78,9 @@ def test_no_host_sync_and_launches_independent_of_the_world_size():
     import torch.multiprocessing as mp
 
     per_world = {}
-    # Eight ranks on this machine's cores take long: int8 two_phase only.
-    for world_size, cases in ((2, CASES), (4, CASES), (8, CASES[:1])):
+    # An even and an odd world size for every case (uneven chunks); eight ranks
+    # on this machine's cores take long: int8 two_phase only.
+    for world_size, cases in ((2, CASES), (3, CASES), (8, CASES[:1])):
         with mp.Manager() as manager:
             results = manager.dict()
             run_ranks(_count_every_compressor, world_size, results, cases, timeout=600)
@@ -87,19 +88,6 @@ def test_no_host_sync_and_launches_independent_of_the_world_size():
     for case in CASES:
         counts = {world_size: found[case] for world_size, found in per_world.items() if case in found}
         assert len(set(counts.values())) == 1, f"{case}: (launches, dispatches) by world size {counts}"
-
-
-def _int8_two_phase_within_target(rank: int, world_size: int) -> None:
-    os.environ["GRADCOMP_BACKEND"] = "triton"
-    counts = _steady_state_counts(gradcomp.get_compressor("int8"), "two_phase")
-    assert not counts.syncs, dict(counts.syncs)
-    assert counts.total_launches <= INT8_TWO_PHASE_LAUNCHES, counts.summary()
-    assert counts.total_dispatches <= INT8_TWO_PHASE_DISPATCHES, counts.summary()
-
-
-@pytest.mark.slow
-def test_int8_two_phase_bucket_launches_and_dispatches_within_target():
-    run_ranks(_int8_two_phase_within_target, 2)
 
 
 def _hook_makes_no_host_sync(rank: int, world_size: int) -> None:

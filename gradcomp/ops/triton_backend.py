@@ -41,7 +41,7 @@ def randk_select(
     indices = randk_indices(x.numel(), k, seed, x.device)
     # Gather before the pass that overwrites the residual with x + residual.
     values, lost = kernels.gather_compensated(x, residual, indices, multiplier, value_dtype)
-    flags = kernels.compensate(x, residual)
+    flags = kernels.fold_into_residual(x, residual)
     if residual is not None:
         residual[indices] = lost.to(residual.dtype)
     # No host sync: NaN joins the first value exactly when the input holds inf or NaN.

@@ -1,0 +1,186 @@
+"""Compressed all-reduce over torch.distributed.
+
+``all_reduce(tensor, compressor)`` mirrors ``torch.distributed.all_reduce``:
+in place, ``op`` "avg" or "sum", ``async_op`` returning a handle.
+
+The package, one concern a module:
+
+* :mod:`~gradcomp.collectives.algorithms`: the algorithms (``dense``,
+  ``allgather``, ``two_phase`` in :mod:`~gradcomp.collectives.two_phase`)
+  and the :class:`Job` that describes one call;
+* :mod:`~gradcomp.collectives.worker`: the ordered worker thread that runs a
+  group's jobs, over a private clone of the group;
+* :mod:`~gradcomp.collectives.agreement`: ranks with different settings
+  raise instead of hanging;
+* :mod:`~gradcomp.collectives.stats`: what a call cost (:class:`ReduceStats`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import ops
+from gradcomp.collectives.agreement import settings_key, verify_agreement
+from gradcomp.collectives.algorithms import ALGORITHMS, Job, check_algorithm, default_algorithm, job_steps
+from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
+from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, two_phase_segments
+from gradcomp.collectives.worker import (
+    CollectiveQueue,
+    clone_group,
+    drive,
+    group_timeout,
+    queue_for,
+    release_queues,
+)
+from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors.base import check_tensor
+from gradcomp.feedback import ErrorFeedback
+
+__all__ = [
+    "ALGORITHMS",
+    "CollectiveQueue",
+    "Job",
+    "ReduceStats",
+    "Work",
+    "all_reduce",
+    "check_algorithm",
+    "chunk_bounds",
+    "chunk_length",
+    "clone_group",
+    "default_algorithm",
+    "drive",
+    "group_timeout",
+    "job_steps",
+    "key_of",
+    "queue_for",
+    "release_queues",
+    "resolve_op",
+    "ring_all_reduce_bytes",
+    "settings_key",
+    "two_phase_segments",
+    "verify_agreement",
+]
+
+_OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
+
+
+class Work:
+    """Handle of an asynchronous :func:`all_reduce`, like ``dist.Work``."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def wait(self) -> bool:
+        """Block until done; re-raises the collective's error."""
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        """Future holding the :class:`ReduceStats` of the call."""
+        return self._future
+
+
+def resolve_op(op) -> str:
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    if isinstance(op, str) and op.lower() in _OPS:
+        return _OPS[op.lower()]
+    raise ValueError(f"op must be 'avg' or 'sum' (or dist.ReduceOp.AVG / SUM), got {op!r}")
+
+
+def key_of(name: Hashable) -> int:
+    """A stable integer for a residual/random-stream name (same on every rank)."""
+    if isinstance(name, int):
+        return name
+    return zlib.crc32(repr(name).encode())
+
+
+# Residuals and call counters of all_reduce calls that pass no ErrorFeedback,
+# per compressor settings: a compressor given by name is a new object on every
+# call, but the same settings must find the same residuals (and not pile up).
+_DEFAULT_FEEDBACK: dict[str, tuple[ErrorFeedback, dict]] = {}
+
+
+def _default_feedback(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
+    key = settings_key(compressor)
+    entry = _DEFAULT_FEEDBACK.get(key)
+    if entry is None:
+        entry = _DEFAULT_FEEDBACK[key] = (ErrorFeedback(), {})
+    return entry
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor | str,
+    group: dist.ProcessGroup | None = None,
+    op="avg",
+    async_op: bool = False,
+    *,
+    algorithm: str | None = None,
+    feedback: ErrorFeedback | bool | None = None,
+    name: Hashable | None = None,
+    step: int | None = None,
+    measure_error: bool = False,
+):
+    """Compressed, in-place all-reduce of ``tensor`` across ``group``.
+
+    Args:
+        tensor: floating tensor (fp32, fp16, bf16, fp64), same shape on every rank.
+        compressor: a :class:`Compressor` or a name for :func:`get_compressor`.
+        group: process group (default WORLD).
+        op: ``"avg"`` (default, what gradients need) or ``"sum"``.
+        async_op: return a :class:`Work` at once instead of waiting.
+        algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default
+            from the compressor (:func:`default_algorithm`).
+        feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
+            for none, or None for the default (residuals kept per compressor
+            settings, shared by the calls with equal settings).
+        name: residual and random-stream key; give distinct names to distinct
+            tensors of one shape (default: the tensor's shape and dtype).
+        step: step number for random streams (default: a per-name call counter).
+        measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
+            default: it reads the tensor and the residual once more (or
+            decodes once more, without feedback) and waits for the result.
+
+    Returns:
+        ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
+        future holds them.
+
+    Example:
+        >>> c = gradcomp.get_compressor("int8")
+        >>> for p in model.parameters():
+        ...     gradcomp.all_reduce(p.grad, c, name=p_name)
+    """
+    compressor = get_compressor(compressor)
+    check_tensor(tensor)
+    ops.check_forced_backend()
+    op = resolve_op(op)
+    algorithm = check_algorithm(compressor, algorithm)
+    residuals, counters = _default_feedback(compressor)
+    if feedback is False:
+        residuals = None
+    elif isinstance(feedback, ErrorFeedback):
+        residuals = feedback
+    elif feedback not in (None, True):
+        raise TypeError(f"feedback must be an ErrorFeedback, True, False or None, got {feedback!r}")
+    name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
+    if step is None:
+        step = counters.get(name, 0)
+        counters[name] = step + 1
+    q = queue_for(group)
+    job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
+    future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor)
+    if async_op:
+        return Work(future)
+    return future.wait()

@@ -1,0 +1,48 @@
+"""Agreement: ranks with different settings raise instead of hanging.
+
+The first time a (compressor settings, numel, dtype, algorithm, op)
+combination meets a group, the ranks compare fingerprints; a rank with
+different settings makes every rank raise ``ValueError`` instead of hanging
+or decoding garbage.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
+from gradcomp.compressors import Compressor
+
+
+def settings_key(compressor: Compressor) -> str:
+    """The compressor's settings as one stable string (equal settings, equal key)."""
+    return repr(sorted(compressor.settings().items()))
+
+
+def fingerprint_of(compressor: Compressor, tensor: torch.Tensor, algorithm: str, op: str) -> tuple:
+    return (settings_key(compressor), tensor.numel(), str(tensor.dtype), algorithm, op)
+
+
+def verify_agreement(q: CollectiveQueue, fingerprint: tuple, device: torch.device) -> None:
+    """Raise ValueError on every rank if ranks disagree on ``fingerprint``.
+
+    The check travels on ``device`` (NCCL groups take CUDA tensors only).
+    """
+    if q.world_size == 1 or fingerprint in q.verified:
+        return
+    digest = zlib.crc32(repr(fingerprint).encode())
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
+    all_gather_async(everyone, mine, q.group).wait()
+    if bool((everyone != digest).any()):
+        described = [None] * q.world_size
+        dist.all_gather_object(described, fingerprint, group=q.group)
+        lines = "\n".join(
+            f"  rank {r}: compressor {d[0]}, numel {d[1]}, dtype {d[2]}, algorithm {d[3]}, op {d[4]}"
+            for r, d in enumerate(described)
+        )
+        raise ValueError(f"ranks disagree on the compressed all-reduce settings:\n{lines}")
+    q.verified.add(fingerprint)

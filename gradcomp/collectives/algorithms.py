@@ -1,0 +1,180 @@
+"""The compressed all-reduce algorithms; which one a compressor takes follows
+from its facts (DESIGN.md):
+
+* ``dense``: all-reduce the payload itself (summable compressors);
+* ``allgather``: gather every rank's payload, decode and add;
+* ``two_phase``: all-to-all of compressed chunks (reduce-scatter), decode and
+  sum the own chunk, recompress it with its own residual, all-gather
+  (:mod:`gradcomp.collectives.two_phase`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator, Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
+from gradcomp.collectives.stats import ReduceStats, Timer, measured, ring_all_reduce_bytes
+from gradcomp.collectives.two_phase import two_phase
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
+from gradcomp.compressors import Compressor, Context
+from gradcomp.feedback import ErrorFeedback
+from gradcomp.payload import Payload, buffer_size
+
+ALGORITHMS = ("dense", "allgather", "two_phase")
+
+
+def default_algorithm(compressor: Compressor) -> str:
+    """``dense`` for summable payloads, ``allgather`` for sparse ones, ``two_phase`` otherwise."""
+    if compressor.summable:
+        return "dense"
+    if compressor.sparse:
+        return "allgather"
+    return "two_phase"
+
+
+def check_algorithm(compressor: Compressor, algorithm: str | None) -> str:
+    algorithm = algorithm or default_algorithm(compressor)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "dense" and not compressor.summable:
+        raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
+    if algorithm == "two_phase" and compressor.sparse:
+        raise ValueError(
+            f"algorithm 'two_phase' needs a dense payload (quantizers, sign, casts); "
+            f"{compressor.name!r} is sparse: use 'allgather'{' or dense' if compressor.summable else ''}"
+        )
+    return algorithm
+
+
+@dataclasses.dataclass
+class Job:
+    """One compressed all-reduce, fully described (run by :func:`job_steps`).
+
+    Attributes:
+        feedback: where the residuals live (None: no error feedback).
+        key: residual and random-stream key (the same on every rank).
+        step: step number of the random streams.
+    """
+
+    tensor: torch.Tensor
+    compressor: Compressor
+    op: str
+    algorithm: str
+    feedback: ErrorFeedback | None
+    key: int
+    step: int
+    measure_error: bool = False
+
+    def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
+        """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
+        if self.feedback is None or not self.compressor.needs_feedback:
+            return None
+        return self.feedback.residual(name, like)
+
+
+def compress_measured(job: Job, flat: torch.Tensor, residual, rank: int, stats: ReduceStats) -> Payload:
+    """The payload of ``flat`` (with ``residual``), time and error added to ``stats``."""
+    compressor, context = job.compressor, Context(residual, job.step, job.key, rank)
+    holder = []
+
+    def encode():
+        holder.append(compressor.compress(flat, context))
+        return holder[0]
+
+    def decode():
+        return compressor.decompress(holder[0])
+
+    return measured(stats, job.measure_error, flat, residual, encode, decode)
+
+
+def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats]:
+    """Run ``job`` on ``q``'s group, on the queue's worker thread, as steps: it
+    pauses (yields) at most once, while an exchange is in flight, so that the
+    worker can start the next job meanwhile; its result is the job's
+    :class:`ReduceStats`.
+
+    A job pauses only after issuing its last collective: whether the next job
+    starts before it finishes depends on timing that differs between ranks,
+    and collectives must still be issued in the same order on every rank."""
+    tensor = job.tensor
+    dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
+    stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
+    if tensor.numel() == 0:
+        return stats
+    verify_agreement(q, fingerprint_of(job.compressor, tensor, job.algorithm, job.op), tensor.device)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.view(-1)
+    if q.world_size == 1:
+        _local(job, flat, stats)
+    elif job.algorithm == "dense":
+        _dense(job, flat, q, stats)
+    elif job.algorithm == "allgather":
+        yield from _allgather(job, flat, q, stats)
+    else:
+        two_phase(job, flat, q, stats)
+    if work is not tensor:
+        tensor.copy_(work)
+    return stats
+
+
+def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
+    payload = compress_measured(job, flat, job.residual(job.key, flat), 0, stats)
+    with Timer(stats):
+        job.compressor.decompress(payload, out=flat)
+
+
+def _divides_values(compressor: Compressor, sum_dtype: torch.dtype) -> bool:
+    """Whether a mean divides each decoded payload's values (sparse payloads
+    summed in fp32 or fp64: k values, no pass over the tensor) rather than
+    the tensor; 16-bit sums are divided before, so that they cannot overflow."""
+    return compressor.sparse and sum_dtype in (torch.float32, torch.float64)
+
+
+def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    # Where the mean is not taken when decoding, it is taken before the
+    # reduction: the tensor in place (the result overwrites it anyway) and
+    # the residual there and back, which stays in the input's units.
+    divide = q.world_size if job.op == "avg" else 1
+    at_decode = _divides_values(job.compressor, flat.dtype)
+    residual = job.residual(job.key, flat)
+    first = 1 if at_decode else divide
+    if first > 1:
+        flat.div_(first)
+        if residual is not None:
+            residual.div_(first)
+    payload = compress_measured(job, flat, residual, q.rank, stats)
+    if residual is not None and first > 1:
+        residual.mul_(first)
+    for wire in payload.tensors.values():
+        dist.all_reduce(wire, group=q.group)
+        stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
+    with Timer(stats):
+        job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
+
+
+def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+    """Gather every rank's payload of the whole tensor, decode and add them in
+    rank order (every rank gets the same bits)."""
+    payload = compress_measured(job, flat, job.residual(job.key, flat), q.rank, stats)
+    # Every payload's size follows from numel, dtype and settings: no size exchange.
+    width = buffer_size(payload.layout())
+    gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
+    exchange = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
+    stats.bytes_sent += width * (q.world_size - 1)
+    yield  # every collective of this job is issued: the next job may start
+    exchange.wait()
+    with Timer(stats):
+        divisor = q.world_size if job.op == "avg" else 1
+        job.compressor.decompress_sum(gathered, flat.dtype, flat, meta=payload.meta, divisor=divisor)
+
+
+# Two-phase all-reduces of long CPU tensors run as a pipeline of segments,
+# so that compressing one segment overlaps the exchange of the one before
+# (Gloo moves bytes while the host compresses). A segment holds at least
+# SEGMENT_ELEMENTS per rank (about 1 MB of int8 payload, far above a
+# collective's latency), and there are at most MAX_SEGMENTS. On a GPU the
+# worker queues every kernel of a job without waiting for any, so segments

@@ -1,0 +1,98 @@
+"""What a compressed all-reduce cost, and how its time and error are measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+
+@dataclasses.dataclass
+class ReduceStats:
+    """What one compressed all-reduce cost and how exact it was (this rank).
+
+    Bytes are counted as nccl-tests counts bus bandwidth: what this rank
+    sends under the bandwidth-optimal (ring) schedule of each collective,
+    from the payload buffers' real sizes. A ring all-reduce of ``n`` bytes
+    sends ``2 (W-1)/W n``, an all-gather of ``n`` bytes per rank ``(W-1) n``,
+    an all-to-all the chunks meant for other ranks.
+
+    Attributes:
+        bytes_sent: bytes this rank sends.
+        dense_bytes: bytes it would send in a dense ring all-reduce of the
+            tensor (``2 (W-1)/W * numel * itemsize``).
+        compress_seconds: wall time spent compressing and decoding.
+        error_sq, input_sq: squared norms of (decoded - input) and of the
+            input (input + residual), summed; NaN when not measured.
+        algorithm: the algorithm that ran.
+    """
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    compress_seconds: float = 0.0
+    error_sq: float = math.nan
+    input_sq: float = math.nan
+    algorithm: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """dense_bytes / bytes_sent (NaN when nothing is sent, e.g. one rank)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.nan
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(self.error_sq / self.input_sq) if self.input_sq > 0 else 0.0
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+class Timer:
+    """Adds the wall time of its ``with`` block to ``stats.compress_seconds``."""
+
+    def __init__(self, stats: ReduceStats):
+        self.stats = stats
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.stats.compress_seconds += time.perf_counter() - self.start
+
+
+def measured(stats: ReduceStats, measure_error: bool, flat: torch.Tensor, residual, encode, decode):
+    """``encode()`` of ``flat`` (with ``residual``), its time and, with
+    ``measure_error``, its error added to ``stats``; ``decode()`` gives the
+    decoded tensor, needed only to measure a compression without feedback."""
+    with Timer(stats):
+        reference_sq = square_sum(flat, residual) if measure_error and residual is not None else None
+        encoded = encode()
+        if measure_error:
+            if residual is not None:
+                error_sq = square_sum(residual)
+            else:
+                error_sq, reference_sq = square_sum(decode(), flat, subtract=True), square_sum(flat)
+            stats.error_sq = (0.0 if math.isnan(stats.error_sq) else stats.error_sq) + error_sq
+            stats.input_sq = (0.0 if math.isnan(stats.input_sq) else stats.input_sq) + reference_sq
+    return encoded
+
+
+# Error measurement reads its operands a slice at a time: no tensor-sized temporaries.
+MEASURE_SLICE = 2**20
+
+
+def square_sum(a: torch.Tensor, b: torch.Tensor | None = None, subtract: bool = False) -> float:
+    """``||a + b||^2`` (or ``||a - b||^2``) in fp32, summed in fp64."""
+    a, b = a.reshape(-1), None if b is None else b.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, a.numel(), MEASURE_SLICE):
+        part = a[start : start + MEASURE_SLICE].float()
+        if b is not None:
+            other = b[start : start + MEASURE_SLICE].float()
+            part = part - other if subtract else part + other
+        total += torch.dot(part, part)
+    return float(total)

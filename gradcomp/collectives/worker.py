@@ -1,0 +1,272 @@
+"""The ordered worker: one thread per process group runs gradcomp's collectives.
+
+Every collective of gradcomp on a process group runs on one worker thread per
+group, in submission order, over a private clone of the group. Callers (DDP
+bucket hooks, user code) submit in the same order on every rank, so the
+collectives match across ranks even though the multi-step algorithms issue
+their later steps after earlier ones finish. A ``Future.then`` chain cannot
+promise that: callbacks run in completion order, which differs between
+ranks. The clone keeps these collectives apart from whatever the caller's
+thread issues on the group meanwhile.
+
+Overlap. A job may pause once its last collective is issued (it yields, see
+:func:`gradcomp.collectives.algorithms.job_steps`): if the next job is
+already queued and writes into other storage, the worker starts it
+(compressing it overlaps the transfer) and then finishes the paused one.
+Collectives are still issued, and futures completed, in submission order; a
+job with nothing queued behind it finishes at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import datetime
+import inspect
+import logging
+import queue
+import threading
+from collections.abc import Callable, Generator
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import streams
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveQueue:
+    """One worker thread that runs a group's gradcomp collectives in FIFO order.
+
+    ``submit(fn)`` returns a Future set to ``fn()``'s result (or its error);
+    when ``fn()`` returns a generator (:func:`job_steps`), to the generator's
+    return value, and the worker may overlap it with the next job where it
+    yields. CUDA work runs on the worker's own stream, after the work the
+    submitting stream had queued (:mod:`gradcomp.streams`).
+
+    After a job fails, every later job fails at once without touching the
+    network: the ranks may no longer agree on what comes next, and a rank
+    that goes on issuing collectives would hang its peers (or race a
+    ``destroy_process_group`` after the error). This includes a job that had
+    started while the failed one was paused: whether it had started depends
+    on timing, which differs between ranks, so every rank fails it alike.
+    :func:`release_queues` starts afresh.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = clone_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.verified: set[tuple] = set()
+        self.failure: BaseException | None = None
+        self.streams = streams.WorkerStreams()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, fn: Callable[[], object], device: torch.device, writes: torch.Tensor | None = None
+    ) -> torch.futures.Future:
+        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any.
+
+        A job starts while the one before is paused only if their ``writes``
+        share no storage: it must see the result of the one before it.
+        """
+        future = streams.new_future(device)
+        self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes))
+        return future
+
+    def close(self) -> None:
+        """Stop the worker after the jobs already submitted."""
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        paused = None  # a started job waiting on its exchange
+        while True:
+            if paused is not None and self._jobs.empty():
+                self._finish(paused)  # nothing to overlap it with
+                paused = None
+            job = self._jobs.get()
+            if job is None:
+                if paused is not None:
+                    self._finish(paused)
+                return
+            if paused is not None and _may_share(paused.writes, job.writes):
+                self._finish(paused)  # the next job reads what this one writes
+                paused = None
+            self._start(job)
+            if paused is not None:
+                self._finish(paused)
+            if job.steps is None:
+                self._finish(job)  # after the one before: futures complete in order
+                paused = None
+            else:
+                paused = job
+
+    def _earlier_failure(self) -> RuntimeError:
+        return RuntimeError(
+            f"an earlier gradcomp collective on this group failed ({self.failure!r}); "
+            "call gradcomp.collectives.release_queues() on every rank to start afresh"
+        )
+
+    def _start(self, job: _Started) -> None:
+        """Run ``job`` up to its pause or to its end."""
+        if self.failure is not None:
+            job.error = self._earlier_failure()
+            return
+        try:
+            with self.streams.running(job.device, job.ready, job.writes):
+                result = job.fn()
+                if inspect.isgenerator(result):
+                    try:
+                        next(result)
+                    except StopIteration as done:
+                        result = done.value
+                    else:
+                        job.steps = result
+        except BaseException as error:  # noqa: BLE001 - handed to the waiter
+            self.failure = job.error = error
+        else:
+            job.result = result
+
+    def _finish(self, job: _Started) -> None:
+        """Run a paused job to its end; complete its future."""
+        if job.error is None and self.failure is not None:
+            # It started while the failed job was paused, a timing that differs
+            # between ranks: fail it as every rank fails the jobs behind a failure.
+            job.error = self._earlier_failure()
+        elif job.steps is not None:
+            try:
+                with self.streams.running(job.device):
+                    job.result = drive(job.steps)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiter
+                self.failure = job.error = error
+        job.steps = None
+        if job.error is not None:
+            job.future.set_exception(job.error)
+            return
+        with self.streams.running(job.device):
+            job.future.set_result(job.result)
+
+
+@dataclasses.dataclass
+class _Started:
+    """A submitted job; once started, run up to its pause (``steps`` to resume) or to its end."""
+
+    fn: Callable[[], object]
+    future: torch.futures.Future
+    device: torch.device
+    ready: object  # the submitting stream's event (None on CPU)
+    writes: torch.Tensor | None
+    steps: Generator | None = None
+    result: object = None
+    error: BaseException | None = None
+
+
+def _may_share(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two jobs' outputs may overlap (unknown counts as yes)."""
+    if a is None or b is None:
+        return True
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A private group of ``group``'s ranks with its backends, timeout and options.
+
+    Created by the group's ranks only (``use_local_synchronization``). With a
+    device-bound default group (``init_process_group(device_id=...)``),
+    torch would create it by splitting the default group's communicator, a
+    collective over every rank of the job, which the ranks outside ``group``
+    never join: for a group smaller than the job the binding is lifted for
+    the call, and the clone connects on its own, among its ranks.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    options = {"timeout": group_timeout(group), "backend": dist.get_backend_config(group)}
+    nccl = _backend_of(group, "cuda")
+    if nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL":
+        options["pg_options"] = copy.deepcopy(nccl.options)
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None or len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+    default.bound_device_id = None
+    try:
+        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+    finally:
+        default.bound_device_id = bound
+
+
+def _backend_of(group: dist.ProcessGroup, device_type: str):
+    """``group``'s backend object for ``device_type``, or None."""
+    try:
+        return group._get_backend(torch.device(device_type))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``group`` was created with (None where torch does not say:
+    the clone then gets torch's default)."""
+    for device_type in ("cuda", "cpu"):
+        options = getattr(_backend_of(group, device_type), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    logger.warning("gradcomp: cannot read the timeout of process group %s; its clone gets the default", group)
+    return None
+
+
+def drive(steps: Generator):
+    """Run a job's steps to the end, without pausing; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+_QUEUES: dict[object, CollectiveQueue] = {}
+_QUEUES_LOCK = threading.Lock()
+
+
+def release_queues() -> None:
+    """Drop every collective queue (and its cloned group), after their pending jobs.
+
+    Runs at interpreter exit: a cloned Gloo group still alive when the
+    interpreter tears down after ``destroy_process_group`` aborts the process.
+    Call it yourself (on every rank) before re-initializing torch.distributed
+    in one process, or to go on after a failed gradcomp collective.
+    """
+    with _QUEUES_LOCK:
+        queues = list(_QUEUES.values())
+        _QUEUES.clear()
+    for q in queues:
+        q.close()
+
+
+atexit.register(release_queues)
+
+
+def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
+    """The collective queue of ``group`` (WORLD when None), created on first use.
+
+    Creating it is a collective: every rank of the group must reach the first
+    gradcomp collective on it, as with any collective.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")
+    group = group or dist.group.WORLD
+    with _QUEUES_LOCK:
+        existing = _QUEUES.get(group)
+        if existing is None:
+            existing = _QUEUES[group] = CollectiveQueue(group)
+        return existing
+
+
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group):
+    """Gather ``tensor`` of every rank into ``output`` (rank order); the pending work."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=True)
