@@ -385,9 +385,23 @@ def dequantize_rows(rows, bits, block, numel, chunk, out, *, levels=None):
     return out
 
 
+def _decode_sum(rows, block: int, bits: int, out: torch.Tensor, divisor: int, decode) -> None:
+    """:func:`gradcomp.ops.reference.decode_sum`'s bits; an fp32 ``out`` is the
+    accumulator itself (tensor-sized temporaries cost a page fault a page)."""
+    if out.dtype != torch.float32:
+        reference.decode_sum(rows, block, bits, out, divisor, decode)
+        return
+    numel = out.numel()
+    out.zero_()
+    for row in rows:
+        decode(*reference.read_row(row, block, bits, numel), numel, out, True)
+    if divisor != 1:
+        out.div_(divisor)
+
+
 def dequantize_sum(rows, bits, block, numel, out, *, levels=None, divisor=1):
     """:func:`gradcomp.ops.reference.dequantize_sum`, decoded by this backend."""
-    reference.decode_sum(rows, block, bits, out.view(-1)[:numel], divisor, _dequantizer(bits, block, levels))
+    _decode_sum(rows, block, bits, out.view(-1)[:numel], divisor, _dequantizer(bits, block, levels))
     return out
 
 
@@ -412,7 +426,7 @@ def sign_decompress_rows(rows, block, numel, chunk, out):
 
 def sign_decompress_sum(rows, block, numel, out, *, divisor=1):
     """:func:`gradcomp.ops.reference.sign_decompress_sum`, decoded by this backend."""
-    reference.decode_sum(rows, block, 1, out.view(-1)[:numel], divisor, _sign_decoder(block))
+    _decode_sum(rows, block, 1, out.view(-1)[:numel], divisor, _sign_decoder(block))
     return out
 
 
