@@ -81,8 +81,9 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def methods(specs: list[str], algorithms: str) -> list[dict]:
-    """One entry per (compressor, algorithm) to time, in the order given."""
+def methods(specs: list[str], algorithms: str, world_size: int | None = None) -> list[dict]:
+    """One entry per (compressor, algorithm) to time, in the order given; the
+    default algorithms are those of ``world_size`` ranks."""
     chosen = []
     for spec in specs:
         label, name, options = common.parse_compressor(spec)
@@ -95,7 +96,7 @@ def methods(specs: list[str], algorithms: str) -> list[dict]:
             candidates = common.split_list([algorithms])
         for algorithm in candidates:
             try:
-                resolved = check_algorithm(compressor, algorithm)
+                resolved = check_algorithm(compressor, algorithm, world_size)
             except ValueError:
                 continue
             shown = label if algorithms == "default" else f"{label}/{resolved}"
@@ -137,7 +138,7 @@ def timed(run, reset, warmup: int, iters: int, device: torch.device) -> tuple[fl
 
 def measure(rank: int, world_size: int, settings: dict, device: torch.device) -> list[dict]:
     """Time every cell on every rank; returns the records (the same on every rank)."""
-    chosen = methods(settings["compressors"], settings["algorithms"])
+    chosen = methods(settings["compressors"], settings["algorithms"], world_size)
     sizes = message_sizes(settings["min_bytes"], settings["max_bytes"])
     progress = common.Progress(len(sizes) * (1 + len(chosen)), settings["progress"] if rank == 0 else False)
     records = []

@@ -73,8 +73,9 @@ def parse_rate(text: str) -> float:
 def parse_compressor(text: str) -> tuple[str, str, dict]:
     """``"topk:ratio=0.001"`` -> ``("topk:ratio=0.001", "topk", {"ratio": 0.001})``.
 
-    Options are checked by building the compressor once; the label names the
-    run in tables and result files.
+    Options are checked by building the compressor once; ``algorithm=`` (for
+    the scripts that register the DDP hook) is checked against it. The label
+    names the run in tables and result files.
     """
     name, _, rest = text.strip().partition(":")
     options = {}
@@ -84,7 +85,9 @@ def parse_compressor(text: str) -> tuple[str, str, dict]:
             raise argparse.ArgumentTypeError(f"compressor option {item!r} is not key=value (in {text!r})")
         options[key.strip()] = _literal(value.strip())
     try:
-        gradcomp.get_compressor(name, **options)
+        compressor = gradcomp.get_compressor(name, **{k: v for k, v in options.items() if k != "algorithm"})
+        if "algorithm" in options:
+            gradcomp.collectives.check_algorithm(compressor, options["algorithm"])
     except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text.strip(), name, options

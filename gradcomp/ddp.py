@@ -29,7 +29,15 @@ import torch.distributed as dist
 
 from gradcomp import ops, streams
 from gradcomp.buckets import BucketLayout, BucketLayouts
-from gradcomp.collectives import Job, ReduceStats, check_algorithm, drive, job_steps, queue_for
+from gradcomp.collectives import (
+    Job,
+    ReduceStats,
+    check_algorithm,
+    default_algorithm,
+    drive,
+    job_steps,
+    queue_for,
+)
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -90,7 +98,8 @@ class HookState:
         process_group: group to reduce over (default WORLD).
         warmup_steps: the first steps are reduced dense (no compression).
         min_numel: buckets with fewer elements are reduced dense.
-        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``.
+        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``
+            (default: from the compressor and the group's size).
         residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`ErrorFeedback`).
         measure_error: keep ``relative_error`` in the statistics (off by
             default: one more pass over each bucket, and on a GPU a host
@@ -140,7 +149,7 @@ class HookState:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self.warmup_steps = warmup_steps
         self.min_numel = min_numel
-        self.algorithm = check_algorithm(self.compressor, algorithm)
+        self.algorithm = None if algorithm is None else check_algorithm(self.compressor, algorithm)
         self.measure_error = bool(measure_error)
         self.history = history
         self.step = 0
@@ -151,7 +160,7 @@ class HookState:
         logger.info(
             "gradcomp hook: %r, algorithm=%s, warmup_steps=%d, min_numel=%d, residual_dtype=%s",
             self.compressor,
-            self.algorithm,
+            self.algorithm or "default",
             warmup_steps,
             min_numel,
             residual_dtype,
@@ -202,7 +211,7 @@ class HookState:
             tensor,
             _DENSE if dense else self.compressor,
             "avg",
-            "dense" if dense else self.algorithm,
+            "dense" if dense else self.algorithm or default_algorithm(self.compressor, q.world_size),
             None if dense else self.feedback,
             key=index,
             step=step,

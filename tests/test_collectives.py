@@ -11,7 +11,7 @@ import torch.distributed as dist
 from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
-from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm
+from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm, scale
 from gradcomp.compressors import Context
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -71,6 +71,9 @@ def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
                     dense_bytes = 2 * (world_size - 1) * numel * x.element_size() // world_size
                     assert stats.algorithm == algorithm and stats.dense_bytes == dense_bytes
                     assert stats.bytes_sent > 0, where
+                    if rank == 0:  # the scale model counts rank 0's bytes
+                        model = scale.cost(compressor, numel, world_size, algorithm, dtype)
+                        assert stats.bytes_sent == model.bytes_sent, where
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -232,7 +235,7 @@ def _feedback_loses_nothing(rank: int, world_size: int) -> None:
                     # The chunk owner's server residual took part of the sum too.
                     key = ("two_phase", gradcomp.collectives.key_of("g"))
                     old = before.get(key, torch.zeros_like(memory.get(key)))
-                    start, end = chunk_bounds(2049, world_size, compressor.block)[rank]
+                    start, end = chunk_bounds(2049, world_size, getattr(compressor, "block", 1))[rank]
                     kept_here = torch.zeros(2049, dtype=torch.float64)
                     kept_here[start:end] = (memory.get(key) - old).double()
                     sent -= world_size * torch.stack(gather(kept_here)).sum(0)
@@ -431,7 +434,7 @@ def _bad_arguments(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="summable"):
         gradcomp.all_reduce(torch.ones(4), "int8", algorithm="dense")
     with pytest.raises(ValueError, match="two_phase"):
-        gradcomp.all_reduce(torch.ones(4), "topk", algorithm="two_phase")
+        gradcomp.all_reduce(torch.ones(4), "randk", algorithm="two_phase")
     with pytest.raises(ValueError, match="algorithm"):
         gradcomp.all_reduce(torch.ones(4), "int8", algorithm="ring")
     with pytest.raises(TypeError):
@@ -452,7 +455,10 @@ def test_bad_arguments_raise_clear_errors():
 def test_default_algorithms():
     assert default_algorithm(gradcomp.get_compressor("fp16")) == "dense"
     assert default_algorithm(gradcomp.get_compressor("randk")) == "dense"
-    assert default_algorithm(gradcomp.get_compressor("topk")) == "allgather"
+    topk = gradcomp.get_compressor("topk")
+    assert default_algorithm(topk) == default_algorithm(topk, 3) == "allgather"
+    assert default_algorithm(topk, 4) == default_algorithm(topk, 1024) == "two_phase"
+    assert default_algorithm(gradcomp.get_compressor("randk"), 1024) == "dense"
     assert default_algorithm(gradcomp.get_compressor("int8")) == "two_phase"
     assert default_algorithm(gradcomp.get_compressor("sign")) == "two_phase"
 

@@ -142,7 +142,7 @@ def all_reduce(
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
         async_op: return a :class:`Work` at once instead of waiting.
         algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default
-            from the compressor (:func:`default_algorithm`).
+            from the compressor and the group's size (:func:`default_algorithm`).
         feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
             for none, or None for the default (residuals kept per compressor
             settings, shared by the calls with equal settings).
@@ -166,7 +166,8 @@ def all_reduce(
     check_tensor(tensor)
     ops.check_forced_backend()
     op = resolve_op(op)
-    algorithm = check_algorithm(compressor, algorithm)
+    if algorithm is not None:
+        check_algorithm(compressor, algorithm)
     residuals, counters = _default_feedback(compressor)
     if feedback is False:
         residuals = None
@@ -179,6 +180,7 @@ def all_reduce(
         step = counters.get(name, 0)
         counters[name] = step + 1
     q = queue_for(group)
+    algorithm = check_algorithm(compressor, algorithm, q.world_size)
     job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
     future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor)
     if async_op:

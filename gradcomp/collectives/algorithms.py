@@ -5,7 +5,9 @@ from its facts (DESIGN.md):
 * ``allgather``: gather every rank's payload, decode and add;
 * ``two_phase``: all-to-all of compressed chunks (reduce-scatter), decode and
   sum the own chunk, recompress it with its own residual, all-gather
-  (:mod:`gradcomp.collectives.two_phase`).
+  (:mod:`gradcomp.collectives.two_phase`); for Top-K, a sparse reduce-scatter
+  and re-selection whose bytes do not grow with the world size
+  (:mod:`gradcomp.collectives.sparse_two_phase`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Generator, Hashable
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives import sparse_two_phase as sparse
 from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
 from gradcomp.collectives.stats import ReduceStats, Timer, measured, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
@@ -25,27 +28,36 @@ from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload, buffer_size
 
 ALGORITHMS = ("dense", "allgather", "two_phase")
+# The world size from which Top-K takes two_phase by default: a rank sends
+# about (CAPACITY + 1) (W-1)/W k pairs there, (W-1) k in an all-gather, so
+# two_phase sends fewer bytes from 4 ranks on (bench/README.md).
+SPARSE_TWO_PHASE_FROM = 4
 
 
-def default_algorithm(compressor: Compressor) -> str:
-    """``dense`` for summable payloads, ``allgather`` for sparse ones, ``two_phase`` otherwise."""
+def default_algorithm(compressor: Compressor, world_size: int | None = None) -> str:
+    """``dense`` for summable payloads; for Top-K ``allgather`` on fewer than
+    ``SPARSE_TWO_PHASE_FROM`` ranks (or an unknown number), ``two_phase`` from
+    there on; ``two_phase`` for other payloads."""
     if compressor.summable:
         return "dense"
     if compressor.sparse:
-        return "allgather"
+        wide = world_size is not None and world_size >= SPARSE_TWO_PHASE_FROM
+        return "two_phase" if wide and sparse.accepts(compressor) else "allgather"
     return "two_phase"
 
 
-def check_algorithm(compressor: Compressor, algorithm: str | None) -> str:
-    algorithm = algorithm or default_algorithm(compressor)
+def check_algorithm(compressor: Compressor, algorithm: str | None, world_size: int | None = None) -> str:
+    """``algorithm`` if ``compressor`` can take it, else ``ValueError``; None
+    gives :func:`default_algorithm`."""
+    algorithm = algorithm or default_algorithm(compressor, world_size)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "dense" and not compressor.summable:
         raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
-    if algorithm == "two_phase" and compressor.sparse:
+    if algorithm == "two_phase" and compressor.sparse and not sparse.accepts(compressor):
         raise ValueError(
-            f"algorithm 'two_phase' needs a dense payload (quantizers, sign, casts); "
-            f"{compressor.name!r} is sparse: use 'allgather'{' or dense' if compressor.summable else ''}"
+            f"algorithm 'two_phase' takes dense payloads (quantizers, sign, casts) and Top-K's; "
+            f"{compressor.name!r} shares its indices: use 'dense' or 'allgather'"
         )
     return algorithm
 
@@ -114,6 +126,8 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
         _dense(job, flat, q, stats)
     elif job.algorithm == "allgather":
         yield from _allgather(job, flat, q, stats)
+    elif job.compressor.sparse:
+        sparse.sparse_two_phase(job, flat, q, stats)
     else:
         two_phase(job, flat, q, stats)
     if work is not tensor:

@@ -1,0 +1,112 @@
+"""The scale model: bytes per rank and predicted time of each algorithm at any world size.
+
+:func:`bytes_sent` gives, without running anything, the bytes one rank
+sends in a compressed all-reduce (what :class:`ReduceStats.bytes_sent`
+counts, from the same payload layouts: the tests compare them), for one
+segment (a GPU tensor; long CPU tensors go as segments of the same total).
+:func:`predicted_seconds` adds a latency per step of each collective's
+ring schedule (alpha-beta): an all-reduce takes ``2 (W-1)`` steps, an
+all-gather and an all-to-all ``W-1`` each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gradcomp.collectives.algorithms import ALGORITHMS, check_algorithm, default_algorithm
+from gradcomp.collectives.sparse_two_phase import sparse_two_phase_sizes
+from gradcomp.collectives.stats import ring_all_reduce_bytes
+from gradcomp.collectives.two_phase import chunk_bounds
+from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors.base import resolve_k
+from gradcomp.payload import buffer_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link of ``bandwidth`` bytes per second (what one rank can send) and
+    ``latency`` seconds per step of a collective."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one compressed all-reduce sends, in how many collective steps."""
+
+    bytes_sent: int
+    steps: int
+
+    def seconds(self, link: Link) -> float:
+        return self.steps * link.latency + self.bytes_sent / link.bandwidth
+
+
+def _payload_tensors(compressor: Compressor, numel: int, dtype: torch.dtype) -> list[int]:
+    """Bytes of each payload tensor of ``numel`` elements (compressed once, zeros)."""
+    payload = compressor.compress(torch.zeros(numel, dtype=dtype))
+    return [t.numel() * t.element_size() for t in payload.tensors.values()]
+
+
+def cost(
+    compressor: Compressor | str,
+    numel: int,
+    world_size: int,
+    algorithm: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Cost:
+    """The :class:`Cost` of an all-reduce of ``numel`` elements over ``world_size`` ranks."""
+    compressor = get_compressor(compressor)
+    algorithm = check_algorithm(compressor, algorithm, world_size)
+    world = world_size
+    if world == 1 or numel == 0:
+        return Cost(0, 0)
+    if algorithm == "dense":
+        tensors = _payload_tensors(compressor, numel, dtype)
+        return Cost(sum(ring_all_reduce_bytes(n, world) for n in tensors), 2 * (world - 1) * len(tensors))
+    if algorithm == "allgather":
+        width = buffer_size(compressor.compress(torch.zeros(numel, dtype=dtype)).layout())
+        return Cost(width * (world - 1), world - 1)
+    if compressor.sparse:
+        k = resolve_k(numel, compressor.ratio, compressor.k)
+        chunk, capacity, kept = sparse_two_phase_sizes(numel, k, world)
+        index = torch.int32 if chunk < 2**31 else torch.int64
+        rows = buffer_size([("indices", index, capacity), ("values", dtype, capacity)])
+        keep = buffer_size([("indices", index, kept), ("values", dtype, kept)])
+        return Cost((rows + keep) * (world - 1), 2 * (world - 1))
+    # Rank 0's bytes: the chunks it sends to the others, then its own, gathered.
+    align = getattr(compressor, "block", 1)
+    sizes = [
+        buffer_size(compressor.payload_layout(end - start, dtype, {}))
+        for start, end in chunk_bounds(numel, world, align)
+        if end > start
+    ]
+    return Cost(sum(sizes) - sizes[0] + sizes[0] * (world - 1), 2 * (world - 1))
+
+
+def table(compressors: list[str], numel: int, world_sizes: list[int], link: Link) -> list[dict]:
+    """One record per (world size, compressor, algorithm): bytes, predicted
+    seconds, and whether it is the compressor's default there."""
+    records = []
+    for name in compressors:
+        compressor = get_compressor(name)
+        for algorithm in ALGORITHMS:
+            try:
+                check_algorithm(compressor, algorithm)
+            except ValueError:
+                continue
+            for world in world_sizes:
+                c = cost(compressor, numel, world, algorithm)
+                records.append(
+                    {
+                        "compressor": name,
+                        "algorithm": algorithm,
+                        "world_size": world,
+                        "bytes_sent": c.bytes_sent,
+                        "seconds": c.seconds(link),
+                        "default": default_algorithm(compressor, world) == algorithm,
+                    }
+                )
+    return records
