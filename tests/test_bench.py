@@ -92,7 +92,7 @@ def test_allreduce_methods_follow_the_algorithm_option():
     allreduce = importlib.import_module("allreduce")
     default = allreduce.methods(["int8", "topk"], "default")
     assert [(m["label"], m["algorithm"]) for m in default] == [("int8", "two_phase"), ("topk", "allgather")]
-    wide = allreduce.methods(["topk"], "default", 4)  # the defaults of 4 ranks
+    wide = allreduce.methods(["topk"], "default", 8)  # the defaults of 8 ranks
     assert [(m["label"], m["algorithm"]) for m in wide] == [("topk", "two_phase")]
     every = allreduce.methods(["int8", "randk"], "all")
     assert [m["label"] for m in every] == [

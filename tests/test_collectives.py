@@ -456,8 +456,8 @@ def test_default_algorithms():
     assert default_algorithm(gradcomp.get_compressor("fp16")) == "dense"
     assert default_algorithm(gradcomp.get_compressor("randk")) == "dense"
     topk = gradcomp.get_compressor("topk")
-    assert default_algorithm(topk) == default_algorithm(topk, 3) == "allgather"
-    assert default_algorithm(topk, 4) == default_algorithm(topk, 1024) == "two_phase"
+    assert default_algorithm(topk) == default_algorithm(topk, 4) == default_algorithm(topk, 7) == "allgather"
+    assert default_algorithm(topk, 8) == default_algorithm(topk, 1024) == "two_phase"
     assert default_algorithm(gradcomp.get_compressor("randk"), 1024) == "dense"
     assert default_algorithm(gradcomp.get_compressor("int8")) == "two_phase"
     assert default_algorithm(gradcomp.get_compressor("sign")) == "two_phase"

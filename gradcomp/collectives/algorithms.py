@@ -28,10 +28,12 @@ from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload, buffer_size
 
 ALGORITHMS = ("dense", "allgather", "two_phase")
-# The world size from which Top-K takes two_phase by default: a rank sends
-# about (CAPACITY + 1) (W-1)/W k pairs there, (W-1) k in an all-gather, so
-# two_phase sends fewer bytes from 4 ranks on (bench/README.md).
-SPARSE_TWO_PHASE_FROM = 4
+# The world size from which Top-K takes two_phase by default. A rank sends
+# about (CAPACITY + 1) (W-1)/W k pairs there, (W-1) k in an all-gather: fewer
+# bytes from 4 ranks on. But the owner's re-selection reads 1/W of the tensor
+# more: at 4 ranks on a 2-core CPU two_phase took 2.1x the all-gather's time
+# with 25% fewer bytes (bench/README.md). From 8 ranks it sends 2.7x fewer.
+SPARSE_TWO_PHASE_FROM = 8
 
 
 def default_algorithm(compressor: Compressor, world_size: int | None = None) -> str:
