@@ -113,7 +113,7 @@ def _matches_allgather_and_conserves(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_two_phase_top_k_is_identical_on_ranks_conserves_and_is_close_to_allgather(world_size):
     run_ranks(_matches_allgather_and_conserves, world_size)
 
