@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = vars(args)
     results = common.Results("convergence", common.machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
+    # Every run in one spawn: allow a second an epoch a run a rank (a 2-core
+    # machine takes about a third of that), and never less than ten minutes.
+    timeout = max(600.0, len(runs) * args.epochs * args.spawn)
     try:
-        records = common.spawn(ranks, args.spawn, runs, settings)
+        records = common.spawn(ranks, args.spawn, runs, settings, timeout=timeout)
     except common.RanksFailed as error:
         sys.stderr.write(f"convergence failed: {error}\n")
         return 1
