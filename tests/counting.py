@@ -23,7 +23,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ALLOCATIONS = ("aten.empty", "aten.new_empty")  # with their _like and _strided forms
-SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.lift_fresh")
+# bincount: on CUDA it reads its largest input back to size its output.
+SYNC_OPS = (
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten.lift_fresh",
+    "aten.bincount",
+)
 SYNC_METHODS = ("tolist", "numpy", "cpu", "item")
 
 

@@ -48,6 +48,7 @@ CASES = [
     ("sign", "two_phase"),
     ("int8", "allgather"),
     ("topk", "allgather"),
+    ("topk", "two_phase"),
     ("randk", "dense"),
     ("bf16", "dense"),
     ("none", "dense"),

@@ -148,7 +148,10 @@ def split_by_range(
     ranges = torch.div(global_indices[order], chunk, rounding_mode="floor")
     order = order[torch.argsort(ranges, stable=True)]
     ranges = torch.div(global_indices[order], chunk, rounding_mode="floor")
-    counts = torch.bincount(ranges, minlength=world)
+    # Not bincount: on a GPU it reads the largest value back to size its output.
+    counts = torch.zeros(world, dtype=torch.int64, device=device).scatter_add_(
+        0, ranges, torch.ones_like(ranges)
+    )
     first = torch.cumsum(counts, 0) - counts
     position = torch.arange(order.numel(), device=device) - first[ranges]
     taken = position < capacity
