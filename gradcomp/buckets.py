@@ -7,8 +7,8 @@ resumed process as in the run that saved the checkpoint.
 
 * Residuals are kept per bucket index. When DDP rebuilds its buckets after
   the first iteration, :meth:`BucketLayouts.adopt` cuts them per parameter
-  and reassembles them for the new buckets: no feedback is lost (only the
-  small per-chunk residuals of ``two_phase`` are reset).
+  and reassembles them for the new buckets: no sender's feedback is lost
+  (the owners' residuals of ``two_phase``, 1/W of a bucket, are reset).
 * A resumed process starts with DDP's initial buckets, not the rebuilt ones
   the checkpoint saw. For that first iteration the hook holds every bucket
   (:meth:`BucketLayouts.holds`), and :meth:`BucketLayouts.reduce_held`

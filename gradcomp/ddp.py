@@ -257,7 +257,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state.buckets.hold(buffer, layout, future)
         if last:
             q.submit(lambda: state.reduce_held(step, q), buffer.device)
-        return future
+        return future.then(_value)
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer)
     return future.then(_value)

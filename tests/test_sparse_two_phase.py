@@ -49,6 +49,14 @@ def test_split_by_range_keeps_nan_and_never_returns_it():
     assert torch.equal(residual, torch.tensor([1.0, 0.0, 0.0]))
 
 
+def test_split_by_range_ranks_inf_above_the_largest_float():
+    largest = torch.finfo(torch.float32).max
+    rows, residual = _rows(1, 1), torch.zeros(4)
+    split_by_range(torch.tensor([0, 3]), torch.tensor([largest, math.inf]), 4, rows, residual)
+    assert rows["indices"].tolist() == [[3]] and rows["values"][0, 0] == math.inf
+    assert residual[0] == largest and torch.isfinite(residual).all()
+
+
 def test_bytes_per_rank_follow_the_ring_model_and_stay_flat_with_the_world_size():
     numel, k = 2**20, 2**20 // 100
 

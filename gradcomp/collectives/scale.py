@@ -3,7 +3,8 @@
 :func:`bytes_sent` gives, without running anything, the bytes one rank
 sends in a compressed all-reduce (what :class:`ReduceStats.bytes_sent`
 counts, from the same payload layouts: the tests compare them), for one
-segment (a GPU tensor; long CPU tensors go as segments of the same total).
+segment: what a GPU tensor takes. Long CPU tensors (2 W 2**20 elements or
+more) go as segments, each padded on its own: a few bytes more.
 :func:`predicted_seconds` adds a latency per step of each collective's
 ring schedule (alpha-beta): an all-reduce takes ``2 (W-1)`` steps, an
 all-gather and an all-to-all ``W-1`` each.

@@ -142,7 +142,7 @@ def split_by_range(
     device = values.device
     global_indices = indices.long()
     # Ordered by magnitude (stable on index order), then stably by range.
-    magnitude = values.float().abs().nan_to_num(nan=math.inf)
+    magnitude = ops.reference.selection_magnitude(values.float())
     by_index = torch.argsort(global_indices, stable=True)
     order = by_index[torch.argsort(magnitude[by_index], descending=True, stable=True)]
     ranges = torch.div(global_indices[order], chunk, rounding_mode="floor")
