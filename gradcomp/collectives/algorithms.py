@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from gradcomp.collectives import sparse_two_phase as sparse
 from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
-from gradcomp.collectives.stats import ReduceStats, Timer, measured, ring_all_reduce_bytes
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
-from gradcomp.compressors import Compressor, Context
+from gradcomp.compressors import Compressor
 from gradcomp.feedback import ErrorFeedback
-from gradcomp.payload import Payload, buffer_size
+from gradcomp.payload import buffer_size
 
 ALGORITHMS = ("dense", "allgather", "two_phase")
 # The world size from which Top-K takes two_phase by default. A rank sends
@@ -88,21 +88,6 @@ class Job:
         if self.feedback is None or not self.compressor.needs_feedback:
             return None
         return self.feedback.residual(name, like)
-
-
-def compress_measured(job: Job, flat: torch.Tensor, residual, rank: int, stats: ReduceStats) -> Payload:
-    """The payload of ``flat`` (with ``residual``), time and error added to ``stats``."""
-    compressor, context = job.compressor, Context(residual, job.step, job.key, rank)
-    holder = []
-
-    def encode():
-        holder.append(compressor.compress(flat, context))
-        return holder[0]
-
-    def decode():
-        return compressor.decompress(holder[0])
-
-    return measured(stats, job.measure_error, flat, residual, encode, decode)
 
 
 def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats]:

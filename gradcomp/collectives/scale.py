@@ -45,12 +45,6 @@ class Cost:
         return self.steps * link.latency + self.bytes_sent / link.bandwidth
 
 
-def _payload_tensors(compressor: Compressor, numel: int, dtype: torch.dtype) -> list[int]:
-    """Bytes of each payload tensor of ``numel`` elements (compressed once, zeros)."""
-    payload = compressor.compress(torch.zeros(numel, dtype=dtype))
-    return [t.numel() * t.element_size() for t in payload.tensors.values()]
-
-
 def cost(
     compressor: Compressor | str,
     numel: int,
@@ -65,8 +59,9 @@ def cost(
     if world == 1 or numel == 0:
         return Cost(0, 0)
     if algorithm == "dense":
-        tensors = _payload_tensors(compressor, numel, dtype)
-        return Cost(sum(ring_all_reduce_bytes(n, world) for n in tensors), 2 * (world - 1) * len(tensors))
+        tensors = compressor.compress(torch.zeros(numel, dtype=dtype)).tensors.values()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        return Cost(sum(ring_all_reduce_bytes(n, world) for n in sizes), 2 * (world - 1) * len(sizes))
     if algorithm == "allgather":
         width = buffer_size(compressor.compress(torch.zeros(numel, dtype=dtype)).layout())
         return Cost(width * (world - 1), world - 1)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
-from gradcomp.collectives.stats import ReduceStats, Timer, measured
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, TopK, mix_seed
@@ -66,16 +66,10 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
 
     # Phase 1: this rank's k pairs, split by range into rows of fixed capacity.
     residual = job.residual(job.key, flat)
-    held = []
-
-    def encode():
-        held.append(compressor.compress(flat, Context(residual, job.step, job.key, rank)))
-
-    measured(stats, job.measure_error, flat, residual, encode, lambda: compressor.decompress(held[0]))
+    pairs = compress_measured(job, flat, residual, rank, stats).tensors
     width = buffer_size(send_layout)
     sent = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
     with Timer(stats):
-        pairs = held[0].tensors
         split_by_range(pairs["indices"], pairs["values"], chunk, row_views(sent, send_layout), residual)
     received = torch.empty_like(sent)
     exchange = dist.all_to_all_single(received.view(-1), sent.view(-1), group=q.group, async_op=True)

@@ -5,8 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import typing
 
 import torch
+
+from gradcomp.compressors import Context
+from gradcomp.payload import Payload
+
+if typing.TYPE_CHECKING:
+    from gradcomp.collectives.algorithms import Job
 
 
 @dataclasses.dataclass
@@ -79,6 +86,21 @@ def measured(stats: ReduceStats, measure_error: bool, flat: torch.Tensor, residu
             stats.error_sq = (0.0 if math.isnan(stats.error_sq) else stats.error_sq) + error_sq
             stats.input_sq = (0.0 if math.isnan(stats.input_sq) else stats.input_sq) + reference_sq
     return encoded
+
+
+def compress_measured(job: Job, flat: torch.Tensor, residual, rank: int, stats: ReduceStats) -> Payload:
+    """The payload of ``flat`` (with ``residual``), time and error added to ``stats``."""
+    compressor, context = job.compressor, Context(residual, job.step, job.key, rank)
+    holder = []
+
+    def encode():
+        holder.append(compressor.compress(flat, context))
+        return holder[0]
+
+    def decode():
+        return compressor.decompress(holder[0])
+
+    return measured(stats, job.measure_error, flat, residual, encode, decode)
 
 
 # Error measurement reads its operands a slice at a time: no tensor-sized temporaries.
