@@ -626,3 +626,28 @@ def _subgroup_with_a_device_bound_default_group(rank: int, world_size: int) -> N
 @pytest.mark.slow
 def test_subgroups_work_with_a_device_bound_default_group():
     run_ranks(_subgroup_with_a_device_bound_default_group, 4)
+
+
+def _after_subgroups_of_some_ranks(rank: int, world_size: int) -> None:
+    # The user's subgroups leave the ranks with different numbers of groups
+    # (rank 0 is in two, rank 3 in none): gradcomp's private groups must still
+    # meet, on the whole group and on a subgroup.
+    pair, trio = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+    x = _input(rank, 3000, torch.float32)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    result = x.clone()
+    gradcomp.all_reduce(result, "none", op="sum")
+    assert torch.equal(result, expected)
+    if rank < 3:
+        expected = x.clone()
+        dist.all_reduce(expected, group=trio)
+        result = x.clone()
+        gradcomp.all_reduce(result, "none", group=trio, op="sum")
+        assert torch.equal(result, expected)
+    del pair
+
+
+@pytest.mark.slow
+def test_private_groups_meet_whatever_groups_the_ranks_made_before():
+    run_ranks(_after_subgroups_of_some_ranks, 4, timeout=60, group_timeout=15)

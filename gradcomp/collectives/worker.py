@@ -20,9 +20,11 @@ job with nothing queued behind it finishes at once.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import datetime
+import hashlib
 import inspect
 import logging
 import queue
@@ -174,29 +176,70 @@ def _may_share(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A private group of ``group``'s ranks with its backends, timeout and options.
+    """A private group of ``group``'s ranks with its backends, timeout and options."""
+    return new_group_like(group, dist.get_process_group_ranks(group))
 
-    Created by the group's ranks only (``use_local_synchronization``). With a
+
+def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
+    """A group of ``ranks`` (global ranks, a subset of ``group``'s) with
+    ``group``'s backends, timeout and options.
+
+    Created by the given ranks only (``use_local_synchronization``): every
+    rank must create the groups it belongs to in the same order. torch names
+    such a group after its ranks and how many groups this process already
+    holds, which differs between ranks that joined different subgroups
+    before (they would wait for each other under different names until the
+    timeout): the name here counts only gradcomp's groups of these ranks. With a
     device-bound default group (``init_process_group(device_id=...)``),
     torch would create it by splitting the default group's communicator, a
-    collective over every rank of the job, which the ranks outside ``group``
+    collective over every rank of the job, which the ranks outside ``ranks``
     never join: for a group smaller than the job the binding is lifted for
-    the call, and the clone connects on its own, among its ranks.
+    the call, and the group connects on its own, among its ranks.
     """
-    ranks = dist.get_process_group_ranks(group)
     options = {"timeout": group_timeout(group), "backend": dist.get_backend_config(group)}
     nccl = _backend_of(group, "cuda")
     if nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL":
         options["pg_options"] = copy.deepcopy(nccl.options)
     default = dist.distributed_c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
-    if bound is None or len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
-    default.bound_device_id = None
+    lift = bound is not None and len(ranks) < dist.get_world_size()
+    with _GROUPS_LOCK, _named(ranks):
+        if lift:
+            default.bound_device_id = None
+        try:
+            return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+        finally:
+            if lift:
+                default.bound_device_id = bound
+
+
+_GROUPS_LOCK = threading.Lock()
+_GROUPS_MADE: dict[tuple[int, ...], int] = {}  # ranks -> how many gradcomp groups of them this process made
+
+
+@contextlib.contextmanager
+def _named(ranks: list[int]):
+    """While creating gradcomp's group of ``ranks``: torch names it
+    ``gradcomp-<ranks>-<n>``, the n-th such group, a name every member agrees on."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    number = _GROUPS_MADE.get(tuple(ranks), 0)
+    _GROUPS_MADE[tuple(ranks)] = number + 1
+    if original is None:  # a torch that names groups otherwise: nothing to fix
+        yield
+        return
+    digest = hashlib.sha1(f"{sorted(ranks)}/{number}".encode(), usedforsecurity=False).hexdigest()
+
+    def name(of_ranks, use_hashed_name):
+        if use_hashed_name and sorted(of_ranks) == sorted(ranks):
+            return f"gradcomp-{digest}"
+        return original(of_ranks, use_hashed_name)
+
+    c10d._process_group_name = name
     try:
-        return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+        yield
     finally:
-        default.bound_device_id = bound
+        c10d._process_group_name = original
 
 
 def _backend_of(group: dist.ProcessGroup, device_type: str):
