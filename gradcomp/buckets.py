@@ -8,7 +8,8 @@ resumed process as in the run that saved the checkpoint.
 * Residuals are kept per bucket index. When DDP rebuilds its buckets after
   the first iteration, :meth:`BucketLayouts.adopt` cuts them per parameter
   and reassembles them for the new buckets: no sender's feedback is lost
-  (the owners' residuals of ``two_phase``, 1/W of a bucket, are reset).
+  (the residuals of a bucket's shards, the owners' of ``two_phase`` and the
+  shard's of ``hierarchical``, are reset).
 * A resumed process starts with DDP's initial buckets, not the rebuilt ones
   the checkpoint saw. For that first iteration the hook holds every bucket
   (:meth:`BucketLayouts.holds`), and :meth:`BucketLayouts.reduce_held`
@@ -32,8 +33,8 @@ class BucketLayouts:
     """The bucket layouts of one DDP model and the residuals that follow them.
 
     Args:
-        feedback: the residuals, keyed by bucket index (and
-            ``("two_phase", index)`` for the owners' residuals).
+        feedback: the residuals, keyed by bucket index (and other keys for
+            the residuals of shards, which a re-bucketing drops).
     """
 
     def __init__(self, feedback: ErrorFeedback):
@@ -75,9 +76,12 @@ class BucketLayouts:
             self.feedback.set(index, torch.cat(parts))
 
     def _cut_residuals(self) -> None:
-        """Cut every bucket residual into per-parameter pieces (buckets are changing)."""
+        """Cut every bucket residual into per-parameter pieces (buckets are
+        changing); drop the residuals of shards, which follow no parameter."""
+        for key in self.feedback.keys():
+            if key not in self._layouts:
+                self.feedback.pop(key)
         for index, layout in self._layouts.items():
-            self.feedback.pop(("two_phase", index))
             residual = self.feedback.pop(index)
             if residual is None:
                 continue

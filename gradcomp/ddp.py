@@ -30,11 +30,14 @@ import torch.distributed as dist
 from gradcomp import ops, streams
 from gradcomp.buckets import BucketLayout, BucketLayouts
 from gradcomp.collectives import (
+    HIERARCHICAL,
     Job,
     ReduceStats,
     check_algorithm,
+    check_hierarchy_options,
     default_algorithm,
     drive,
+    hierarchy_for,
     job_steps,
     queue_for,
 )
@@ -53,6 +56,8 @@ class StepStats:
     Attributes:
         step: hook step (one per synchronised backward pass).
         bytes_sent: bytes this rank sent (ring model, see ``ReduceStats``).
+        bytes_sent_intra, bytes_sent_inter: of those, the bytes inside a node
+            and between nodes (``hierarchical`` only; 0 for the flat algorithms).
         dense_bytes: bytes a dense ring all-reduce of the same buckets sends.
         compress_seconds: wall time compressing and decoding.
         relative_error: ``||decoded - input|| / ||input||`` of this rank's own
@@ -66,6 +71,8 @@ class StepStats:
     dense_bytes: int = 0
     compress_seconds: float = 0.0
     relative_error: float = math.nan
+    bytes_sent_intra: int = 0
+    bytes_sent_inter: int = 0
     buckets: int = 0
     compressed_buckets: int = 0
     _error_sq: float = dataclasses.field(default=0.0, repr=False)
@@ -78,6 +85,8 @@ class StepStats:
 
     def add(self, reduced: ReduceStats, compressed: bool) -> None:
         self.bytes_sent += reduced.bytes_sent
+        self.bytes_sent_intra += reduced.bytes_sent_intra
+        self.bytes_sent_inter += reduced.bytes_sent_inter
         self.dense_bytes += reduced.dense_bytes
         self.compress_seconds += reduced.compress_seconds
         self.buckets += 1
@@ -98,8 +107,10 @@ class HookState:
         process_group: group to reduce over (default WORLD).
         warmup_steps: the first steps are reduced dense (no compression).
         min_numel: buckets with fewer elements are reduced dense.
-        algorithm: force ``"dense"``, ``"allgather"`` or ``"two_phase"``
-            (default: from the compressor and the group's size).
+        algorithm: force ``"dense"``, ``"allgather"``, ``"two_phase"`` or
+            ``"hierarchical"`` (default: from the compressor and the group's size).
+        node_size, inter_algorithm: for ``"hierarchical"``, ranks per node
+            and the algorithm between nodes (see :func:`gradcomp.all_reduce`).
         residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`ErrorFeedback`).
         measure_error: keep ``relative_error`` in the statistics (off by
             default: one more pass over each bucket, and on a GPU a host
@@ -118,6 +129,8 @@ class HookState:
         "warmup_steps",
         "min_numel",
         "algorithm",
+        "node_size",
+        "inter_algorithm",
         "measure_error",
         "history",
         # progress and residuals
@@ -137,6 +150,8 @@ class HookState:
         min_numel: int = 1024,
         *,
         algorithm: str | None = None,
+        node_size: int | None = None,
+        inter_algorithm: str | None = None,
         residual_dtype: str = "fp32",
         measure_error: bool = False,
         history: int = 10_000,
@@ -150,6 +165,9 @@ class HookState:
         self.warmup_steps = warmup_steps
         self.min_numel = min_numel
         self.algorithm = None if algorithm is None else check_algorithm(self.compressor, algorithm)
+        check_hierarchy_options(self.compressor, algorithm, node_size, inter_algorithm)
+        self.node_size = node_size
+        self.inter_algorithm = inter_algorithm
         self.measure_error = bool(measure_error)
         self.history = history
         self.step = 0
@@ -217,6 +235,8 @@ class HookState:
             step=step,
             measure_error=self.measure_error and not dense,
         )
+        if job.algorithm == HIERARCHICAL:
+            job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm
         reduced = yield from job_steps(job, q)
         current = self._open_stats.setdefault(step, StepStats(step))
         current.add(reduced, compressed=not dense)
@@ -245,6 +265,8 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         >>> ddp_model.register_comm_hook(HookState("int8"), hook)
     """
     q = queue_for(state.process_group)
+    if state.algorithm == HIERARCHICAL:
+        hierarchy_for(q, state.node_size)  # its groups are made here, on the first call, in order
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
     layout = state.buckets.layout_of(bucket)
@@ -281,7 +303,8 @@ def register(
     """Register gradcomp's hook on ``model`` in one call and return its state.
 
     ``options`` holds both :class:`HookState` options (``warmup_steps``,
-    ``min_numel``, ``process_group``, ``algorithm``, ``residual_dtype``,
+    ``min_numel``, ``process_group``, ``algorithm``, ``node_size``,
+    ``inter_algorithm``, ``residual_dtype``,
     ``measure_error``, ``history``) and the compressor's own (``ratio``,
     ``block``, ...). The hook reduces over the group the model was built on
     (``DistributedDataParallel(..., process_group=...)``); a

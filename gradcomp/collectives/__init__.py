@@ -6,8 +6,9 @@ in place, ``op`` "avg" or "sum", ``async_op`` returning a handle.
 The package, one concern a module:
 
 * :mod:`~gradcomp.collectives.algorithms`: the algorithms (``dense``,
-  ``allgather``, ``two_phase`` in :mod:`~gradcomp.collectives.two_phase`)
-  and the :class:`Job` that describes one call;
+  ``allgather``, ``two_phase`` in :mod:`~gradcomp.collectives.two_phase`,
+  ``hierarchical`` in :mod:`~gradcomp.collectives.hierarchical`) and the
+  :class:`Job` that describes one call;
 * :mod:`~gradcomp.collectives.worker`: the ordered worker thread that runs a
   group's jobs, over a private clone of the group;
 * :mod:`~gradcomp.collectives.agreement`: ranks with different settings
@@ -25,7 +26,15 @@ import torch.distributed as dist
 
 from gradcomp import ops
 from gradcomp.collectives.agreement import settings_key, verify_agreement
-from gradcomp.collectives.algorithms import ALGORITHMS, Job, check_algorithm, default_algorithm, job_steps
+from gradcomp.collectives.algorithms import (
+    ALGORITHMS,
+    HIERARCHICAL,
+    Job,
+    check_algorithm,
+    default_algorithm,
+    job_steps,
+)
+from gradcomp.collectives.hierarchical import Hierarchy, check_node_size, hierarchy_for
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, two_phase_segments
 from gradcomp.collectives.worker import (
@@ -42,18 +51,22 @@ from gradcomp.feedback import ErrorFeedback
 
 __all__ = [
     "ALGORITHMS",
+    "HIERARCHICAL",
     "CollectiveQueue",
+    "Hierarchy",
     "Job",
     "ReduceStats",
     "Work",
     "all_reduce",
     "check_algorithm",
+    "check_hierarchy_options",
     "chunk_bounds",
     "chunk_length",
     "clone_group",
     "default_algorithm",
     "drive",
     "group_timeout",
+    "hierarchy_for",
     "job_steps",
     "key_of",
     "queue_for",
@@ -99,6 +112,22 @@ def resolve_op(op) -> str:
     raise ValueError(f"op must be 'avg' or 'sum' (or dist.ReduceOp.AVG / SUM), got {op!r}")
 
 
+def check_hierarchy_options(
+    compressor: Compressor, algorithm: str | None, node_size, inter_algorithm
+) -> None:
+    """``ValueError`` for ``node_size`` / ``inter_algorithm`` the algorithm cannot take."""
+    if algorithm != HIERARCHICAL and (node_size is not None or inter_algorithm is not None):
+        named = repr(algorithm) if algorithm else "the default algorithm"
+        raise ValueError(f"node_size and inter_algorithm apply to algorithm='hierarchical', not {named}")
+    check_node_size(node_size)
+    if inter_algorithm == HIERARCHICAL:
+        raise ValueError(
+            "inter_algorithm must be a flat algorithm (dense, allgather, two_phase), not 'hierarchical'"
+        )
+    if inter_algorithm is not None:
+        check_algorithm(compressor, inter_algorithm)
+
+
 def key_of(name: Hashable) -> int:
     """A stable integer for a residual/random-stream name (same on every rank)."""
     if isinstance(name, int):
@@ -132,6 +161,8 @@ def all_reduce(
     name: Hashable | None = None,
     step: int | None = None,
     measure_error: bool = False,
+    node_size: int | None = None,
+    inter_algorithm: str | None = None,
 ):
     """Compressed, in-place all-reduce of ``tensor`` across ``group``.
 
@@ -141,8 +172,10 @@ def all_reduce(
         group: process group (default WORLD).
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
         async_op: return a :class:`Work` at once instead of waiting.
-        algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default
-            from the compressor and the group's size (:func:`default_algorithm`).
+        algorithm: ``"dense"``, ``"allgather"``, ``"two_phase"`` or
+            ``"hierarchical"`` (dense inside each node, compressed between
+            nodes); default from the compressor and the group's size
+            (:func:`default_algorithm`).
         feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
             for none, or None for the default (residuals kept per compressor
             settings, shared by the calls with equal settings).
@@ -152,6 +185,11 @@ def all_reduce(
         measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
             default: it reads the tensor and the residual once more (or
             decodes once more, without feedback) and waits for the result.
+        node_size: ranks per node for ``"hierarchical"`` (consecutive ranks
+            of the group); default torchrun's ``LOCAL_WORLD_SIZE``, else the
+            ranks' host names.
+        inter_algorithm: the algorithm between nodes for ``"hierarchical"``
+            (default from the compressor and the number of nodes).
 
     Returns:
         ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
@@ -168,6 +206,7 @@ def all_reduce(
     op = resolve_op(op)
     if algorithm is not None:
         check_algorithm(compressor, algorithm)
+    check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
     residuals, counters = _default_feedback(compressor)
     if feedback is False:
         residuals = None
@@ -182,6 +221,8 @@ def all_reduce(
     q = queue_for(group)
     algorithm = check_algorithm(compressor, algorithm, q.world_size)
     job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
+    if algorithm == HIERARCHICAL:
+        job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
     future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor)
     if async_op:
         return Work(future)

@@ -7,7 +7,9 @@ from its facts (DESIGN.md):
   sum the own chunk, recompress it with its own residual, all-gather
   (:mod:`gradcomp.collectives.two_phase`); for Top-K, a sparse reduce-scatter
   and re-selection whose bytes do not grow with the world size
-  (:mod:`gradcomp.collectives.sparse_two_phase`).
+  (:mod:`gradcomp.collectives.sparse_two_phase`);
+* ``hierarchical``: dense inside each node, one of the above between nodes
+  (:mod:`gradcomp.collectives.hierarchical`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from gradcomp.collectives import sparse_two_phase as sparse
 from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
+from gradcomp.collectives.hierarchical import Hierarchy, hierarchical
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
@@ -27,7 +30,9 @@ from gradcomp.compressors import Compressor
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import buffer_size
 
+# The flat algorithms: one level, every rank alike.
 ALGORITHMS = ("dense", "allgather", "two_phase")
+HIERARCHICAL = "hierarchical"
 # The world size from which Top-K takes two_phase by default. A rank sends
 # about (CAPACITY + 1) (W-1)/W k pairs there, (W-1) k in an all-gather: fewer
 # bytes from 4 ranks on. But the owner's re-selection reads 1/W of the tensor
@@ -52,8 +57,10 @@ def check_algorithm(compressor: Compressor, algorithm: str | None, world_size: i
     """``algorithm`` if ``compressor`` can take it, else ``ValueError``; None
     gives :func:`default_algorithm`."""
     algorithm = algorithm or default_algorithm(compressor, world_size)
+    if algorithm == HIERARCHICAL:
+        return algorithm  # any compressor: its inner algorithm is checked on its own
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        raise ValueError(f"algorithm must be one of {(*ALGORITHMS, HIERARCHICAL)}, got {algorithm!r}")
     if algorithm == "dense" and not compressor.summable:
         raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
     if algorithm == "two_phase" and compressor.sparse and not sparse.accepts(compressor):
@@ -72,6 +79,8 @@ class Job:
         feedback: where the residuals live (None: no error feedback).
         key: residual and random-stream key (the same on every rank).
         step: step number of the random streams.
+        hierarchy: the nodes of a ``hierarchical`` job; ``inter_algorithm``
+            the algorithm between nodes (None: the compressor's default).
     """
 
     tensor: torch.Tensor
@@ -82,6 +91,8 @@ class Job:
     key: int
     step: int
     measure_error: bool = False
+    hierarchy: Hierarchy | None = None
+    inter_algorithm: str | None = None
 
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
@@ -104,10 +115,15 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
     if tensor.numel() == 0:
         return stats
-    verify_agreement(q, fingerprint_of(job.compressor, tensor, job.algorithm, job.op), tensor.device)
+    algorithm = job.algorithm
+    if algorithm == HIERARCHICAL:
+        algorithm = f"{algorithm}/{job.inter_algorithm or 'default'}"
+    verify_agreement(q, fingerprint_of(job.compressor, tensor, algorithm, job.op), tensor.device)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
-    if q.world_size == 1:
+    if job.algorithm == HIERARCHICAL:
+        yield from hierarchical(job, flat, job.hierarchy, stats)
+    elif q.world_size == 1:
         _local(job, flat, stats)
     elif job.algorithm == "dense":
         _dense(job, flat, q, stats)

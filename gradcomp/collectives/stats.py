@@ -34,6 +34,11 @@ class ReduceStats:
         error_sq, input_sq: squared norms of (decoded - input) and of the
             input (input + residual), summed; NaN when not measured.
         algorithm: the algorithm that ran.
+        bytes_sent_intra, bytes_sent_inter: of ``bytes_sent``, those that
+            stay inside a node and those that cross between nodes; counted by
+            the ``hierarchical`` algorithm (the flat ones do not know the
+            nodes and leave both 0).
+        inter_algorithm: the algorithm between nodes of a ``hierarchical`` one.
     """
 
     bytes_sent: int = 0
@@ -42,6 +47,9 @@ class ReduceStats:
     error_sq: float = math.nan
     input_sq: float = math.nan
     algorithm: str = ""
+    bytes_sent_intra: int = 0
+    bytes_sent_inter: int = 0
+    inter_algorithm: str = ""
 
     @property
     def ratio(self) -> float:

@@ -62,6 +62,9 @@ class CollectiveQueue:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
+        self.hierarchies: dict = {}  # node_size setting -> Hierarchy (collectives.hierarchical)
+        self.layout_exchanges = 0  # how many layouts were exchanged (failed ones included)
+        self.lock = threading.Lock()
         self.failure: BaseException | None = None
         self.streams = streams.WorkerStreams()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

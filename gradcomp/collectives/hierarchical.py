@@ -1,0 +1,228 @@
+"""The two-level compressed all-reduce: dense inside a node, compressed between nodes.
+
+Inside a node ranks share fast links (NVLink, PCIe, shared memory); between
+nodes they share a NIC. So ``algorithm="hierarchical"`` compresses only the
+traffic between nodes:
+
+1. inside each node, a dense reduce-scatter (an all-to-all of shards, summed
+   in rank order, in fp32 for 16-bit tensors) leaves local rank ``i`` the
+   node's sum of shard ``i``;
+2. between nodes, the ranks with the same local rank all-reduce their shard
+   with the compressor and an inner algorithm (``inter_algorithm``, default
+   from the compressor and the number of nodes), with error feedback on the
+   shard: the node stage is exact, so this is the only residual;
+3. inside each node, an all-gather of the shards.
+
+Every rank ends with the same bits: each shard is computed by one rank of a
+node and identical across nodes (the inner algorithms give every rank the
+same bits), then gathered. On one node nothing is compressed: the result is
+the dense all-reduce.
+
+The node layout comes, in this order, from ``node_size`` (consecutive ranks
+of the group), from torchrun's ``LOCAL_WORLD_SIZE`` (global rank //
+``LOCAL_WORLD_SIZE``), or from the ranks' host names. Ranks exchange their
+view through the store before any group is created, so ranks that disagree
+raise instead of hanging; every node must hold the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import typing
+from collections.abc import Generator
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives.stats import ReduceStats, Timer
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, new_group_like
+from gradcomp.compressors import mix_seed
+
+if typing.TYPE_CHECKING:
+    from gradcomp.collectives.algorithms import Job
+
+# Mixed into a job's key for its shard's residual and random streams.
+_SHARD_KEY = 0x48494552
+
+
+@dataclasses.dataclass
+class Level:
+    """One level of a hierarchy, shaped like a :class:`CollectiveQueue` for
+    the flat algorithms: its group, this rank's place in it, its checked settings."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    verified: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Hierarchy:
+    """A group's nodes and this rank's two levels.
+
+    Attributes:
+        nodes: group ranks of each node (node order, rank order inside).
+        source: where the layout came from (``node_size=2``, ``LOCAL_WORLD_SIZE=2``, ``host names``).
+        intra: this rank's node (its local rank, the node size).
+        inter: the ranks with this local rank, one a node (node index, node count).
+    """
+
+    nodes: list[list[int]]
+    source: str
+    intra: Level
+    inter: Level
+
+    @property
+    def node_size(self) -> int:
+        return len(self.nodes[0])
+
+
+def check_node_size(node_size, world_size: int | None = None) -> None:
+    """``ValueError`` unless ``node_size`` is None or a positive integer dividing ``world_size``."""
+    if node_size is None:
+        return
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+        raise ValueError(f"node_size must be a positive integer (ranks per node), got {node_size!r}")
+    if world_size is not None and world_size % node_size:
+        sizes = [min(node_size, world_size - start) for start in range(0, world_size, node_size)]
+        raise ValueError(
+            f"node_size={node_size} does not divide the group's {world_size} ranks "
+            f"(nodes would hold {sizes} ranks); the hierarchical all-reduce needs equal nodes"
+        )
+
+
+def hierarchy_for(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
+    """``q``'s group cut into nodes (created once per ``node_size`` setting, on
+    the caller's thread, in call order: the same order on every rank).
+
+    Raises:
+        ValueError: on every rank, if the ranks see different layouts or the
+            nodes hold different numbers of ranks.
+    """
+    check_node_size(node_size, q.world_size)
+    with q.lock:
+        existing = q.hierarchies.get(node_size)
+        if existing is None:
+            existing = q.hierarchies[node_size] = _build(q, node_size)
+        return existing
+
+
+def _views(q: CollectiveQueue, node_size: int | None) -> list[dict]:
+    """Every rank's view of the layout (its node_size, LOCAL_WORLD_SIZE and
+    host), exchanged through the store: no collective on a group the worker uses."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = {
+        "node_size": node_size,
+        "local_world_size": int(local) if local else None,
+        "host": socket.gethostname(),
+    }
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"gradcomp/hierarchy/{q.group.group_name}/{q.layout_exchanges}"
+    q.layout_exchanges += 1
+    store.set(f"{prefix}/{q.rank}", json.dumps(mine))
+    return [json.loads(store.get(f"{prefix}/{r}")) for r in range(q.world_size)]
+
+
+def _node_ids(q: CollectiveQueue, views: list[dict]) -> tuple[list, str]:
+    """The node of every group rank and where the layout came from."""
+    described = ", ".join(f"rank {r}: {v['node_size']}" for r, v in enumerate(views))
+    if len({v["node_size"] for v in views}) > 1:
+        raise ValueError(f"ranks disagree on the hierarchical all-reduce's node_size ({described})")
+    node_size = views[0]["node_size"]
+    if node_size is not None:
+        return [r // node_size for r in range(q.world_size)], f"node_size={node_size}"
+    locals_ = {v["local_world_size"] for v in views}
+    if None not in locals_:
+        if len(locals_) > 1:
+            seen = ", ".join(f"rank {r}: {v['local_world_size']}" for r, v in enumerate(views))
+            raise ValueError(f"ranks disagree on LOCAL_WORLD_SIZE ({seen}); pass node_size= instead")
+        local = locals_.pop()
+        ranks = dist.get_process_group_ranks(q.group)
+        return [g // local for g in ranks], f"LOCAL_WORLD_SIZE={local}"
+    return [v["host"] for v in views], "host names"
+
+
+def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
+    ids, source = _node_ids(q, _views(q, node_size))
+    nodes: dict[object, list[int]] = {}
+    for rank, node in enumerate(ids):
+        nodes.setdefault(node, []).append(rank)
+    layout = list(nodes.values())
+    sizes = [len(node) for node in layout]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"the hierarchical all-reduce needs the same number of ranks on every node; "
+            f"by {source} the group's nodes hold {sizes} ranks"
+        )
+    here = next(i for i, node in enumerate(layout) if q.rank in node)
+    local = layout[here].index(q.rank)
+    ranks = dist.get_process_group_ranks(q.group)
+    # Every rank creates its node's group, then its local rank's: one global order.
+    intra_ranks = [ranks[r] for r in layout[here]]
+    inter_ranks = [ranks[node[local]] for node in layout]
+    intra = new_group_like(q.group, intra_ranks) if len(intra_ranks) > 1 else None
+    inter = new_group_like(q.group, inter_ranks) if len(inter_ranks) > 1 else None
+    return Hierarchy(layout, source, Level(intra, local, len(intra_ranks)), Level(inter, here, len(layout)))
+
+
+def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> Generator:
+    """Reduce ``flat`` in place over ``hierarchy`` (see the module's description)."""
+    from gradcomp.collectives.algorithms import Job, default_algorithm, job_steps
+    from gradcomp.collectives.worker import drive
+
+    intra, inter = hierarchy.intra, hierarchy.inter
+    size, numel = intra.world_size, flat.numel()
+    shard_len = -(-numel // size)
+    padded = (
+        flat
+        if shard_len * size == numel
+        else torch.zeros(shard_len * size, dtype=flat.dtype, device=flat.device)
+    )
+    if padded is not flat:
+        padded[:numel].copy_(flat)
+    itemsize = flat.element_size()
+    # 1. Dense reduce-scatter inside the node: row j of `received` is local rank j's shard.
+    wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    if size > 1:
+        received = torch.empty(size, shard_len, dtype=flat.dtype, device=flat.device)
+        dist.all_to_all_single(received.view(-1), padded, group=intra.group)
+        stats.bytes_sent_intra += (size - 1) * shard_len * itemsize
+        with Timer(stats):
+            shard = received.sum(0, dtype=wide)
+            if job.op == "avg":
+                shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
+        del received
+    else:
+        shard = padded.to(wide)
+    # 2. Compressed all-reduce of the shard between nodes.
+    if inter.world_size > 1:
+        inner = Job(
+            shard,
+            job.compressor,
+            job.op,
+            job.inter_algorithm or default_algorithm(job.compressor, inter.world_size),
+            job.feedback,
+            key=mix_seed(job.key, _SHARD_KEY, intra.rank),
+            step=job.step,
+            measure_error=job.measure_error,
+        )
+        reduced = drive(job_steps(inner, inter))
+        stats.bytes_sent_inter += reduced.bytes_sent
+        stats.compress_seconds += reduced.compress_seconds
+        stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
+        stats.inter_algorithm = reduced.algorithm
+    # 3. All-gather of the shards inside the node.
+    own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
+    if size > 1:
+        gather = all_gather_async(padded, own, intra.group)
+        stats.bytes_sent_intra += (size - 1) * shard_len * itemsize
+        yield  # every collective of this job is issued: the next job may start
+        gather.wait()
+    else:
+        padded.copy_(own)
+    if padded is not flat:
+        flat.copy_(padded[:numel])
+    stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
