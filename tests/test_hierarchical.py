@@ -23,8 +23,11 @@ def _input(rank: int, numel: int, dtype, salt: int = 0) -> torch.Tensor:
     return torch.randn(numel, generator=generator).to(dtype)
 
 
-def _matches_dense(rank: int, world_size: int) -> None:
-    for node_size in (1, 2, 4):
+def _matches_dense(rank: int, world_size: int, shared: bool) -> None:
+    # CPU tensors take the node's shared memory; `shared=False` makes them take collectives.
+    for node_size in (1, 2, 4) if shared else (2,):
+        hierarchy = gradcomp.collectives.hierarchy_for(queue_for(None), node_size)
+        hierarchy.shared_memory = shared
         nodes, local = world_size // node_size, rank % node_size
         for name in NAMES:
             compressor = gradcomp.get_compressor(name)
@@ -59,10 +62,12 @@ def _matches_dense(rank: int, world_size: int) -> None:
                     assert stats.bytes_sent == stats.bytes_sent_intra + stats.bytes_sent_inter, where
                     dense = 2 * (world_size - 1) * numel * x.element_size() // world_size
                     assert stats.dense_bytes == dense and stats.algorithm == "hierarchical", where
+        assert hierarchy.shared_memory == shared and bool(hierarchy.areas) == (shared and node_size > 1)
 
 
-def test_hierarchical_matches_the_dense_average_on_every_layout():
-    run_ranks(_matches_dense, 4)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_memory", "collectives"])
+def test_hierarchical_matches_the_dense_average_on_every_layout(shared):
+    run_ranks(_matches_dense, 4, shared)
 
 
 def _feedback_conserved(rank: int, world_size: int, inter_algorithm: str) -> None:
@@ -152,6 +157,14 @@ def _layouts(rank: int, world_size: int) -> None:
     # The levels' groups inherit the group's timeout.
     for level in (layout.intra, layout.inter):
         assert group_timeout(level.group) == group_timeout(q.group)
+    assert layout.shared_memory and layout.areas  # CPU tensors went through shared memory
+    # A node that cannot share memory (here: no such folder) takes collectives, on every rank alike.
+    hierarchical.SHARED_MEMORY_DIR = "/nonexistent-gradcomp-test"
+    fallback = gradcomp.collectives.hierarchy_for(q, 2)
+    result = x.clone()
+    gradcomp.all_reduce(result, "none", algorithm="hierarchical", node_size=2)
+    torch.testing.assert_close(result, exact, rtol=1e-6, atol=1e-6)
+    assert not fallback.shared_memory and not fallback.areas
     # Uneven nodes by LOCAL_WORLD_SIZE: refused, naming the sizes.
     os.environ["LOCAL_WORLD_SIZE"] = "3"
     q.hierarchies.pop(None)

@@ -4,14 +4,17 @@ Inside a node ranks share fast links (NVLink, PCIe, shared memory); between
 nodes they share a NIC. So ``algorithm="hierarchical"`` compresses only the
 traffic between nodes:
 
-1. inside each node, a dense reduce-scatter (an all-to-all of shards, summed
-   in rank order, in fp32 for 16-bit tensors) leaves local rank ``i`` the
-   node's sum of shard ``i``;
+1. inside each node, a dense reduce-scatter leaves local rank ``i`` the
+   node's sum of shard ``i`` (in fp32 for 16-bit tensors): CPU tensors
+   through the node's shared memory (each rank writes its tensor into a row
+   and sums its shard of every row), other tensors, or where the node
+   cannot share memory, as an all-to-all of shards summed in rank order;
 2. between nodes, the ranks with the same local rank all-reduce their shard
    with the compressor and an inner algorithm (``inter_algorithm``, default
    from the compressor and the number of nodes), with error feedback on the
    shard: the node stage is exact, so this is the only residual;
-3. inside each node, an all-gather of the shards.
+3. inside each node, an all-gather of the shards (through shared memory:
+   each rank writes its shard into the result row and reads the row).
 
 Every rank ends with the same bits: each shard is computed by one rank of a
 node and identical across nodes (the inner algorithms give every rank the
@@ -27,9 +30,12 @@ raise instead of hanging; every node must hold the same number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
+import secrets
 import socket
 import typing
 from collections.abc import Generator
@@ -44,8 +50,12 @@ from gradcomp.compressors import mix_seed
 if typing.TYPE_CHECKING:
     from gradcomp.collectives.algorithms import Job
 
+logger = logging.getLogger(__name__)
+
 # Mixed into a job's key for its shard's residual and random streams.
 _SHARD_KEY = 0x48494552
+# Where a node's ranks share memory for CPU tensors.
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 @dataclasses.dataclass
@@ -68,12 +78,17 @@ class Hierarchy:
         source: where the layout came from (``node_size=2``, ``LOCAL_WORLD_SIZE=2``, ``host names``).
         intra: this rank's node (its local rank, the node size).
         inter: the ranks with this local rank, one a node (node index, node count).
+        shared_memory: whether the node's stages of CPU tensors go through
+            shared memory (set False to use collectives; it turns False by
+            itself where the node cannot share memory).
     """
 
     nodes: list[list[int]]
     source: str
     intra: Level
     inter: Level
+    shared_memory: bool = True  # CPU tensors: the node's stages through shared memory, while it works
+    areas: dict = dataclasses.field(default_factory=dict)  # (length, dtype) -> SharedArea
 
     @property
     def node_size(self) -> int:
@@ -170,59 +185,164 @@ def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
 
 def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> Generator:
     """Reduce ``flat`` in place over ``hierarchy`` (see the module's description)."""
+    intra = hierarchy.intra
+    size, numel, itemsize = intra.world_size, flat.numel(), flat.element_size()
+    shard_len = -(-numel // size)
+    lo, hi = intra.rank * shard_len, (intra.rank + 1) * shard_len
+    wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    # A reduce-scatter and an all-gather of shards: what a ring sends inside the node.
+    stats.bytes_sent_intra = 2 * (size - 1) * shard_len * itemsize
+    area = _shared_area(hierarchy, shard_len * size, flat.dtype) if flat.device.type == "cpu" else None
+    if size == 1:
+        shard = flat if flat.dtype == wide else flat.to(wide)
+        _between_nodes(job, shard, hierarchy, stats)
+        if shard is not flat:
+            flat.copy_(shard)
+    elif area is not None:
+        # Through the node's shared memory: each rank writes its tensor but its
+        # own shard into its row, sums its shard of every rank's (in rank
+        # order), writes the result into the result row and reads the others'.
+        rows, rank, own = area.rows, intra.rank, max(0, min(hi, numel) - lo)
+        before = min(lo, numel)  # elements ahead of the own shard (the last shards may be padding)
+        rows[rank, :before].copy_(flat[:before])
+        rows[rank, hi:numel].copy_(flat[hi:])
+        dist.barrier(group=intra.group)
+        shard = area.shard
+        with Timer(stats):
+            for j in range(size):
+                part = flat[lo : lo + own] if j == rank else rows[j, lo : lo + own]
+                shard[:own].copy_(part) if j == 0 else shard[:own].add_(part)
+            shard[own:].zero_()
+            if job.op == "avg":
+                shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
+        _between_nodes(job, shard, hierarchy, stats)
+        rows[size, lo:hi].copy_(shard)
+        flat[lo : lo + own].copy_(shard[:own])
+        dist.barrier(group=intra.group)
+        flat[:before].copy_(rows[size, :before])
+        flat[hi:].copy_(rows[size, hi:numel])
+    else:
+        yield from _through_collectives(job, flat, hierarchy, stats, shard_len, wide)
+    stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
+
+
+def _through_collectives(
+    job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats, shard_len: int, wide: torch.dtype
+) -> Generator:
+    """The node's stages as collectives: an all-to-all of shards, summed, and an all-gather."""
+    intra, numel = hierarchy.intra, flat.numel()
+    size = intra.world_size
+    padded = flat
+    if shard_len * size != numel:
+        padded = torch.zeros(shard_len * size, dtype=flat.dtype, device=flat.device)
+        padded[:numel].copy_(flat)
+    received = torch.empty(size, shard_len, dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(received.view(-1), padded, group=intra.group)
+    with Timer(stats):
+        shard = received.sum(0, dtype=wide)
+        if job.op == "avg":
+            shard.div_(size)
+    del received
+    _between_nodes(job, shard, hierarchy, stats)
+    own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
+    gather = all_gather_async(padded, own, intra.group)
+    yield  # every collective of this job is issued: the next job may start
+    gather.wait()
+    if padded is not flat:
+        flat.copy_(padded[:numel])
+
+
+def _between_nodes(job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> None:
+    """The compressed all-reduce of this rank's shard among the ranks with its local rank."""
     from gradcomp.collectives.algorithms import Job, default_algorithm, job_steps
     from gradcomp.collectives.worker import drive
 
-    intra, inter = hierarchy.intra, hierarchy.inter
-    size, numel = intra.world_size, flat.numel()
-    shard_len = -(-numel // size)
-    padded = (
-        flat
-        if shard_len * size == numel
-        else torch.zeros(shard_len * size, dtype=flat.dtype, device=flat.device)
+    inter = hierarchy.inter
+    if inter.world_size == 1:
+        return
+    inner = Job(
+        shard,
+        job.compressor,
+        job.op,
+        job.inter_algorithm or default_algorithm(job.compressor, inter.world_size),
+        job.feedback,
+        key=mix_seed(job.key, _SHARD_KEY, hierarchy.intra.rank),
+        step=job.step,
+        measure_error=job.measure_error,
     )
-    if padded is not flat:
-        padded[:numel].copy_(flat)
-    itemsize = flat.element_size()
-    # 1. Dense reduce-scatter inside the node: row j of `received` is local rank j's shard.
-    wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-    if size > 1:
-        received = torch.empty(size, shard_len, dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(received.view(-1), padded, group=intra.group)
-        stats.bytes_sent_intra += (size - 1) * shard_len * itemsize
-        with Timer(stats):
-            shard = received.sum(0, dtype=wide)
-            if job.op == "avg":
-                shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
-        del received
-    else:
-        shard = padded.to(wide)
-    # 2. Compressed all-reduce of the shard between nodes.
-    if inter.world_size > 1:
-        inner = Job(
-            shard,
-            job.compressor,
-            job.op,
-            job.inter_algorithm or default_algorithm(job.compressor, inter.world_size),
-            job.feedback,
-            key=mix_seed(job.key, _SHARD_KEY, intra.rank),
-            step=job.step,
-            measure_error=job.measure_error,
+    reduced = drive(job_steps(inner, inter))
+    stats.bytes_sent_inter += reduced.bytes_sent
+    stats.compress_seconds += reduced.compress_seconds
+    stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
+    stats.inter_algorithm = reduced.algorithm
+
+
+@dataclasses.dataclass
+class SharedArea:
+    """A node's shared memory for tensors of one length and dtype: a row per
+    local rank and one for the result (``rows``), and this rank's shard in
+    the summing dtype (``shard``, private)."""
+
+    rows: torch.Tensor
+    shard: torch.Tensor
+
+
+def _shared_area(hierarchy: Hierarchy, length: int, dtype: torch.dtype) -> SharedArea | None:
+    """The node's shared area for CPU tensors of ``length`` (made on first
+    use, with the node's ranks), or None where the node cannot share memory
+    (its ranks on different hosts, no ``/dev/shm``, not enough room there):
+    then the node's stages run as collectives."""
+    intra = hierarchy.intra
+    if intra.world_size == 1 or not hierarchy.shared_memory:
+        return None
+    key = (length, dtype)
+    area = hierarchy.areas.get(key)
+    if area is None:
+        rows = _map_shared(intra, (intra.world_size + 1) * length, dtype)
+        if rows is None:
+            hierarchy.shared_memory = False  # decided by every rank of the node alike
+            return None
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        area = hierarchy.areas[key] = SharedArea(
+            rows.view(intra.world_size + 1, length), torch.empty(length // intra.world_size, dtype=wide)
         )
-        reduced = drive(job_steps(inner, inter))
-        stats.bytes_sent_inter += reduced.bytes_sent
-        stats.compress_seconds += reduced.compress_seconds
-        stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
-        stats.inter_algorithm = reduced.algorithm
-    # 3. All-gather of the shards inside the node.
-    own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
-    if size > 1:
-        gather = all_gather_async(padded, own, intra.group)
-        stats.bytes_sent_intra += (size - 1) * shard_len * itemsize
-        yield  # every collective of this job is issued: the next job may start
-        gather.wait()
-    else:
-        padded.copy_(own)
-    if padded is not flat:
-        flat.copy_(padded[:numel])
-    stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
+    return area
+
+
+def _map_shared(intra: Level, count: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``count`` zeros of ``dtype`` mapped by every rank of the node, or None
+    on every rank if any cannot. Local rank 0 makes a file in ``/dev/shm``
+    (space reserved up front: a full tmpfs fails here, not with a bus error
+    later), the others map it by name, and it is unlinked once all agree."""
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    name = ""
+    if intra.rank == 0:
+        path = os.path.join(SHARED_MEMORY_DIR, f"gradcomp-{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(descriptor, 0, nbytes)
+            finally:
+                os.close(descriptor)
+            name = path
+        except OSError as error:
+            logger.info("gradcomp: no shared memory for the node's stages (%s); using collectives", error)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    encoded = torch.zeros(256, dtype=torch.uint8)
+    encoded[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    dist.broadcast(encoded, src=dist.get_global_rank(intra.group, 0), group=intra.group)
+    name = bytes(encoded[encoded != 0].tolist()).decode()
+    mapped = None
+    if name:
+        try:
+            mapped = torch.from_file(name, shared=True, size=count, dtype=dtype)
+        except (RuntimeError, OSError) as error:
+            logger.info(
+                "gradcomp: cannot map the node's shared memory %s (%s); using collectives", name, error
+            )
+    agreed = torch.tensor([int(mapped is not None)], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=intra.group)
+    if intra.rank == 0 and name:
+        os.unlink(name)  # the mappings stay; the memory goes with the last of them
+    return mapped if int(agreed) else None
