@@ -9,19 +9,29 @@ record naming the machine. Ranks are either spawned here (Gloo on
 whose loopback is limited by a ``tc`` token bucket: the ranks then talk over
 a link of that rate. Both directions of the loopback share the one limit, so
 a rate of 1gbit carries 1 Gbit/s in all, not 1 Gbit/s each way.
+
+``--nodes N --ranks-per-node R --inter-bandwidth RATE`` emulates a cluster
+(:class:`EmulatedCluster`): each node a network namespace whose ranks talk
+over its loopback without limit, the nodes joined through a bridge by veth
+links limited to RATE in each direction, as a node's NIC is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import ctypes
 import datetime
+import functools
 import json
 import math
 import os
 import re
 import secrets
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -207,7 +217,14 @@ class Results:
         >>> results.write(records)  # bench/results/allreduce-cpu2-w2.{csv,json}
     """
 
-    def __init__(self, benchmark: str, machine_facts: dict, settings: dict, directory: str = RESULTS):
+    def __init__(
+        self,
+        benchmark: str,
+        machine_facts: dict,
+        settings: dict,
+        directory: str = RESULTS,
+        suffix: str | None = None,
+    ):
         self.benchmark = benchmark
         self.machine = machine_facts
         self.settings = settings
@@ -215,7 +232,8 @@ class Results:
         self.load_start = loadavg()
         self.started = time.time()
         link = link_info()
-        suffix = f"-{link['rate']}" if link else ""
+        if suffix is None:
+            suffix = f"-{link['rate']}" if link else ""
         self.stem = f"{benchmark}-{machine_facts['kind']}-w{machine_facts['world_size']}{suffix}"
 
     def path(self, extension: str) -> str:
@@ -399,6 +417,10 @@ def _logged(rank, world_size, directory, body, *args):
         raise
 
 
+# The emulated cluster the ranks run in (EmulatedCluster), when the script made one.
+_cluster: EmulatedCluster | None = None
+
+
 def spawn(body: Callable, world_size: int, *args, timeout: float = 600.0):
     """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks
     (:func:`gradcomp.spawn.run_ranks`, the machine's cores split between them);
@@ -421,6 +443,7 @@ def spawn(body: Callable, world_size: int, *args, timeout: float = 600.0):
                 timeout=timeout + 60,
                 group_timeout=timeout,
                 threads=threads_per_rank(world_size),
+                **(_cluster.spawn_options() if _cluster else {}),
             )
         except gradcomp.spawn.RanksFailed as error:
             logs = _logs(directory)
@@ -533,3 +556,194 @@ def maybe_run_limited(args: argparse.Namespace) -> None:
     """With ``--bandwidth``, outside a namespace: run the script inside one and exit with its status."""
     if args.bandwidth and link_info() is None:
         sys.exit(run_limited(args.bandwidth))
+
+
+# ----------------------------------------------------------------------------- emulated cluster
+
+_CLONE_NEWNET = 0x40000000
+# The interface name of every node's link, in its own namespace.
+NODE_INTERFACE = "gc0"
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nodes", type=int, metavar="N", help="emulate N nodes (network namespaces; needs root and iproute2)"
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=2, metavar="R", help="ranks per node (default 2)"
+    )
+    parser.add_argument(
+        "--inter-bandwidth",
+        default="1gbit",
+        metavar="RATE",
+        help="each node's link to the others, each direction (a tc rate; default 1gbit)",
+    )
+
+
+class EmulatedCluster:
+    """``nodes`` network namespaces joined by a bridge in a namespace of its
+    own; each node's veth link limited to ``rate`` by a ``tc`` token bucket
+    at both ends (what the node sends and what it receives), and its ranks
+    talking over its own loopback without limit. Only addresses inside these
+    namespaces are used; they are deleted on exit, whatever happens.
+
+    The spawned ranks enter their node's namespace before they join the
+    group (:meth:`spawn_options`) and see torchrun's ``LOCAL_WORLD_SIZE``,
+    ``LOCAL_RANK`` and ``GROUP_RANK``.
+
+    Example:
+        >>> with EmulatedCluster(2, 2, "1gbit") as cluster:
+        ...     spawn(body, cluster.world_size)
+    """
+
+    def __init__(self, nodes: int, ranks_per_node: int, rate: str):
+        if nodes < 2 or ranks_per_node < 1:
+            raise ValueError(f"an emulated cluster needs >= 2 nodes of >= 1 rank: {nodes} x {ranks_per_node}")
+        self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        self.link = link_settings(rate)
+        tag = f"gradcomp-{os.getpid()}-{secrets.token_hex(2)}"
+        self.switch = f"{tag}-sw"
+        self.names = [f"{tag}-n{i}" for i in range(nodes)]
+        subnet = 16 + secrets.randbelow(200)
+        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(nodes)]
+        self._created: list[str] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def describe(self) -> str:
+        return (
+            f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.link['rate']} between nodes "
+            "(tc tbf on each node's veth link, each direction), unlimited loopback inside a node"
+        )
+
+    def __enter__(self) -> EmulatedCluster:
+        check_root("an emulated cluster")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the spawned ranks inherit it
+        # A TERM signal (a timeout) ends the script through SystemExit, so the namespaces go too.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            self._create()
+        except BaseException:
+            self._delete()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._delete()
+
+    def _create(self) -> None:
+        def run(*command: str) -> None:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+
+        limit = ["tbf", "rate", self.link["rate"], "burst", str(self.link["burst_bytes"])]
+        limit += ["latency", self.link["latency"]]
+        self._add_namespace(self.switch)
+        run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for i, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
+            self._add_namespace(name)
+            port = f"p{i}"
+            run("ip", "link", "add", NODE_INTERFACE, "netns", name, "type", "veth", "peer", "name", port,
+                "netns", self.switch)  # fmt: skip
+            run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", NODE_INTERFACE)
+            run("ip", "-n", name, "link", "set", NODE_INTERFACE, "up")
+            run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            run("ip", "-n", self.switch, "link", "set", port, "up")
+            run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", NODE_INTERFACE, "root", *limit)
+            run("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", port, "root", *limit)
+        sys.stderr.write(f"emulated cluster: {self.describe()}; namespaces {self.names[0]}...\n")
+
+    def _add_namespace(self, name: str) -> None:
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+        self._created.append(name)
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True)
+
+    def _delete(self) -> None:
+        for name in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL)
+        self._created = []
+
+    def spawn_options(self) -> dict:
+        """Options of :func:`gradcomp.spawn.run_ranks`: meet at node 0, each rank in its node."""
+        setup = functools.partial(enter_node, tuple(self.names), self.ranks_per_node)
+        return {"address": self.addresses[0], "setup": setup}
+
+
+def enter_node(names: tuple[str, ...], ranks_per_node: int, rank: int, world_size: int) -> None:
+    """In a spawned rank: move into its node's network namespace and set
+    torchrun's variables (Gloo then talks over the node's link interface)."""
+    node = rank // ranks_per_node
+    libc = ctypes.CDLL(None, use_errno=True)
+    descriptor = os.open(f"/var/run/netns/{names[node]}", os.O_RDONLY)
+    try:
+        if libc.setns(descriptor, _CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter network namespace {names[node]}: {os.strerror(error)}")
+    finally:
+        os.close(descriptor)
+    os.environ.update(
+        GLOO_SOCKET_IFNAME=NODE_INTERFACE,
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        GROUP_RANK=str(node),
+        TORCH_CPP_LOG_LEVEL="ERROR",
+    )
+
+
+def check_root(what: str) -> None:
+    """Exit with a message unless root with iproute2."""
+    if os.geteuid() != 0:
+        sys.stderr.write(f"{what} needs root: it creates network namespaces and limits links with tc.\n")
+        sys.exit(2)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        sys.stderr.write(f"{what} needs {' and '.join(missing)} (iproute2), not found on PATH\n")
+        sys.exit(2)
+
+
+@contextlib.contextmanager
+def cluster_from(args: argparse.Namespace):
+    """The emulated cluster ``--nodes`` asks for (made current for :func:`spawn`), or None."""
+    global _cluster
+    if not getattr(args, "nodes", None):
+        yield None
+        return
+    with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_bandwidth) as cluster:
+        _cluster = cluster
+        try:
+            yield cluster
+        finally:
+            _cluster = None
+
+
+def measure_levels(nbytes: int, ranks_per_node: int, iters: int = 3) -> dict:
+    """In the ranks of an emulated cluster: the median time of a dense
+    all-reduce of ``nbytes`` between two nodes (local rank 0 of nodes 0 and
+    1) and inside node 0, and the rate each rank sends at (ring model)."""
+    rank = dist.get_rank()
+    levels = {"inter": [0, ranks_per_node], "intra": list(range(ranks_per_node))}
+    groups = {label: dist.new_group(members) for label, members in levels.items() if len(members) > 1}
+    mine = {}
+    for label, group in groups.items():
+        dist.barrier()
+        if rank not in levels[label]:
+            continue
+        tensor = torch.ones(nbytes // 4)
+        seconds = []
+        for iteration in range(1 + iters):
+            began = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            if iteration:
+                seconds.append(time.perf_counter() - began)
+        median = statistics.median(seconds)
+        size = len(levels[label])
+        mine[f"{label}_seconds"] = median
+        mine[f"{label}_gbit_per_s"] = 2 * (size - 1) * nbytes // size * 8 / median / 1e9
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = {"bytes": nbytes}
+    for part in everyone:
+        merged.update({k: v for k, v in part.items() if k not in merged})
+    return merged

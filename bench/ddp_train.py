@@ -31,9 +31,16 @@ per step are what one rank sends under the ring model (as gradcomp's
 all-reduces per step (its P and Q factors plus the tensors it leaves
 uncompressed), from ``PowerSGDState.total_numel_after_compression``.
 
+On an emulated cluster (``--nodes``, root only; see ``common.EmulatedCluster``)
+the default runs are dense, torch's fp16 hook, flat int8 (``two_phase``)
+and hierarchical int8, int4 and Top-K 1%, and a check of the emulation comes
+first: a dense all-reduce between two nodes must run at the limit, one
+inside a node well above it.
+
 Examples:
     python bench/ddp_train.py
     python bench/ddp_train.py --bandwidth 1gbit            # needs root
+    python bench/ddp_train.py --nodes 2 --ranks-per-node 2 --inter-bandwidth 1gbit   # needs root
     python bench/ddp_train.py --compressors int8 topk:ratio=0.001 --steps 20
 """
 
@@ -58,6 +65,14 @@ from gradcomp.demo import make_mlp
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
 BASELINES = ("fp16_hook", "powersgd")
+# On an emulated cluster: flat int8 against the hierarchical algorithm.
+CLUSTER_COMPRESSORS = (
+    "int8:algorithm=two_phase",
+    "int8:algorithm=hierarchical",
+    "int4:algorithm=hierarchical",
+    "topk:algorithm=hierarchical",
+)
+CLUSTER_BASELINES = ("fp16_hook",)
 LABELS = {
     "compute": "compute only",
     "dense": "dense",
@@ -79,16 +94,16 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--compressors",
         nargs="*",
-        default=list(DEFAULT_COMPRESSORS),
         metavar="NAME[:k=v,...]",
-        help=f"gradcomp compressors (default: {' '.join(DEFAULT_COMPRESSORS)}; topk and randk keep 1%%)",
+        help=f"gradcomp compressors (default: {' '.join(DEFAULT_COMPRESSORS)}; topk and randk keep 1%%; "
+        f"with --nodes: {' '.join(CLUSTER_COMPRESSORS)})",
     )
     top.add_argument(
         "--baselines",
         nargs="*",
-        default=list(BASELINES),
         choices=BASELINES,
-        help="torch hooks to compare as well (default: both); dense and compute only always run",
+        help="torch hooks to compare as well (default: both; with --nodes: fp16_hook); "
+        "dense and compute only always run",
     )
     top.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
     top.add_argument(
@@ -114,6 +129,7 @@ def parser() -> argparse.ArgumentParser:
     )
     common.add_common_options(top)
     common.add_bandwidth_option(top)
+    common.add_cluster_options(top)
     return top
 
 
@@ -199,9 +215,12 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     numel = sum(p.numel() for p in net.parameters())
     timed = steps - warmup
+    inter = math.nan
     if run["kind"] == "gradcomp":
         kept = state.stats[-timed:]
         sent = statistics.mean(s.bytes_sent for s in kept)
+        if run["options"].get("algorithm") == "hierarchical":
+            inter = statistics.mean(s.bytes_sent_inter for s in kept)
         compress_ms = 1e3 * statistics.mean(s.compress_seconds for s in kept)
     elif run["kind"] == "powersgd":
         elements = (state.total_numel_after_compression - psgd_before) / timed
@@ -214,6 +233,8 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     return dict(
         run=run["label"],
         kind=run["kind"],
+        name=run.get("name", ""),
+        options=run.get("options", {}),
         note=run.get("note", ""),
         failed="",
         parameters=numel,
@@ -221,6 +242,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         step_ms=1e3 * statistics.median(slowest.tolist()),
         step_ms_all=[round(1e3 * s, 2) for s in slowest.tolist()],
         bytes_per_step=sent,
+        inter_bytes_per_step=inter,
         dense_bytes_per_step=ring_all_reduce_bytes(numel * 4, world_size),
         compress_ms=compress_ms,
         loss=loss,
@@ -259,7 +281,11 @@ def check_link(world_size: int, nbytes: int, iters: int = 3) -> dict:
 
 def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_check: bool) -> dict:
     """Body of the spawned ranks: optionally the link check, then each run in turn."""
-    check = check_link(world_size, settings["link_check_bytes"]) if link_check else None
+    check = None
+    if link_check and settings["nodes"]:
+        check = common.measure_levels(settings["link_check_bytes"], settings["ranks_per_node"])
+    elif link_check:
+        check = check_link(world_size, settings["link_check_bytes"])
     records = [
         train(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}") for run in runs
     ]
@@ -357,12 +383,25 @@ def derive(records: list[dict]) -> None:
             record["comm_speedup_vs_dense"] = common.ratio(dense_comm, comm)
             record["comm_speedup_vs_fp16_hook"] = common.ratio(fp16_comm, comm)
             record["step_speedup_vs_dense"] = common.ratio(dense["step_ms"], record["step_ms"])
+    # A hierarchical run against the flat run of the same compressor, if there is one.
+    flat = {
+        r["name"]: r["comm_ms"]
+        for r in records
+        if r["kind"] == "gradcomp" and not r["failed"] and r["options"].get("algorithm") != "hierarchical"
+    }
+    for record in records:
+        if record["kind"] == "gradcomp" and not record["failed"]:
+            hierarchical = record["options"].get("algorithm") == "hierarchical"
+            reference = flat.get(record["name"]) if hierarchical else None
+            record["comm_speedup_vs_flat"] = common.ratio(reference, record["comm_ms"])
 
 
 def format_report(records: list[dict]) -> str:
+    levels = any(not math.isnan(r.get("inter_bytes_per_step", math.nan)) for r in records)
     header = [
         "run",
         "bytes/step",
+        *(["inter bytes/step", "comm x flat"] if levels else []),
         "ratio",
         "step ms",
         "comm ms",
@@ -377,12 +416,22 @@ def format_report(records: list[dict]) -> str:
     rows = []
     for r in records:
         if r["failed"]:
-            rows.append([r["run"], *["-"] * 10, f"failed: {r['failed']}; {r['note']}".strip("; ")])
+            rows.append(
+                [r["run"], *["-"] * (len(header) - 2), f"failed: {r['failed']}; {r['note']}".strip("; ")]
+            )
             continue
         rows.append(
             [
                 r["run"],
                 f"{r['bytes_per_step']:,.0f}",
+                *(
+                    [
+                        common.fmt(r.get("inter_bytes_per_step"), ",.0f"),
+                        common.fmt(r.get("comm_speedup_vs_flat"), ".2f", "x"),
+                    ]
+                    if levels
+                    else []
+                ),
                 common.fmt(r["ratio"], ".1f"),
                 f"{r['step_ms']:.0f}",
                 f"{r['comm_ms']:.0f}",
@@ -455,9 +504,37 @@ def describe_link(check: dict) -> str:
     return text
 
 
+def describe_levels(check: dict, rate_bits: float) -> str:
+    """The emulation check in words: each level's rate against the limit."""
+    inter, limit = check["inter_gbit_per_s"], rate_bits / 1e9
+    verdict = "matches the limit" if 0.75 <= inter / limit <= 1.05 else "DOES NOT match the limit"
+    text = (
+        f"emulation check: dense all_reduce of {common.format_size(check['bytes'])} between two nodes "
+        f"{check['inter_seconds']:.3f} s = {inter:.2f} Gbit/s sent per rank, "
+        f"limit {limit:g} Gbit/s: {verdict}"
+    )
+    if "intra_gbit_per_s" in check:
+        intra = check["intra_gbit_per_s"]
+        seconds = check["intra_seconds"]
+        text += f"; inside a node {seconds:.3f} s = {intra:.2f} Gbit/s ({intra / limit:.1f}x the limit)"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    cluster_mode = bool(args.nodes)
+    if cluster_mode:
+        if args.bandwidth:
+            parser().error("--bandwidth limits one namespace's loopback; with --nodes use --inter-bandwidth")
+        if args.nodes < 2 or args.ranks_per_node < 1:
+            parser().error("--nodes needs at least 2 nodes and --ranks-per-node at least 1")
+        common.parse_rate(args.inter_bandwidth)
+        args.spawn = args.nodes * args.ranks_per_node
     common.maybe_run_limited(args)
+    if args.compressors is None:
+        args.compressors = list(CLUSTER_COMPRESSORS if cluster_mode else DEFAULT_COMPRESSORS)
+    if args.baselines is None:
+        args.baselines = list(CLUSTER_BASELINES if cluster_mode else BASELINES)
     args.compressors = common.split_list(args.compressors)
     try:
         runs = plan(args)
@@ -471,16 +548,26 @@ def main(argv: list[str] | None = None) -> int:
     for position, run in enumerate(runs, 1):
         run["position"] = position
     settings = {**vars(args), "total_runs": len(runs)}
-    results = common.Results("ddp_train", common.machine(args.spawn, "gloo"), settings, args.out)
+    facts = common.machine(args.spawn, "gloo")
+    suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if cluster_mode else None
+    results = common.Results("ddp_train", facts, settings, args.out, suffix=suffix)
     print(f"machine: {results.machine['machine']}", flush=True)
     try:
-        check, records = execute(runs, settings)
+        with common.cluster_from(args) as cluster:
+            if cluster:
+                facts["link"] = cluster.describe()
+                facts["machine"] += f", {args.nodes} emulated nodes, {args.inter_bandwidth} between them"
+            check, records = execute(runs, settings)
     except common.RanksFailed as error:
         sys.stderr.write(f"ddp_train failed: {error}\n")
         return 1
     derive(records)
     print(describe(settings, records))
-    print(describe_link(check))
+    if cluster_mode:
+        print(f"cluster: {facts['link']}")
+        print(describe_levels(check, common.parse_rate(args.inter_bandwidth)))
+    else:
+        print(describe_link(check))
     print(format_report(records))
     paths = results.write(records, extra=dict(link_check=check))
     png = results.path("png")

@@ -37,13 +37,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _entry(rank, world_size, port, group_timeout, threads, result_path, body, args) -> None:
+def _entry(rank, world_size, address, port, setup, group_timeout, threads, result_path, body, args) -> None:
     # A rank still running at the deadline is sent SIGUSR1 first: its threads' stacks go to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if setup is not None:
+        setup(rank, world_size)  # first: threads started later inherit what it sets
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=group_timeout),
@@ -67,11 +69,16 @@ def run_ranks(
     timeout: float = 600.0,
     group_timeout: float = 60.0,
     threads: int = 1,
+    address: str = "127.0.0.1",
+    setup: Callable[[int, int], None] | None = None,
 ):
     """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned processes,
-    each a rank of a Gloo group over 127.0.0.1 whose default timeout is
-    ``group_timeout`` seconds, with ``threads`` torch threads; return rank 0's
-    result (picklable).
+    each a rank of a Gloo group whose default timeout is ``group_timeout``
+    seconds, with ``threads`` torch threads; return rank 0's result (picklable).
+
+    The group meets at rank 0 on ``address`` (default 127.0.0.1);
+    ``setup(rank, world_size)``, if given (picklable), runs in each process
+    before it joins (to enter a network namespace, say).
 
     Raises:
         RanksFailed: a rank raised (its traceback in the message), died, or was
@@ -82,7 +89,7 @@ def run_ranks(
         result_path = os.path.join(directory, "result.pickle")
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), group_timeout, threads, result_path, body, args),
+            args=(world_size, address, free_port(), setup, group_timeout, threads, result_path, body, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

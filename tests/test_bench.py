@@ -116,6 +116,20 @@ def test_bandwidth_without_root_is_refused(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+def test_emulated_cluster_without_root_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as ended:
+        common.EmulatedCluster(2, 2, "1gbit").__enter__()
+    assert ended.value.code == 2 and "needs root" in capsys.readouterr().err
+
+
+def test_cluster_options_are_checked():
+    result = run_script("ddp_train.py", "--nodes", "2", "--bandwidth", "1gbit", check=False)
+    assert result.returncode == 2 and "use --inter-bandwidth" in result.stderr
+    result = run_script("ddp_train.py", "--nodes", "1", check=False)
+    assert result.returncode == 2 and "at least 2 nodes" in result.stderr
+
+
 def _abort_on_rank_one(rank, world_size):
     if rank == 1:
         os.abort()
@@ -270,3 +284,29 @@ def test_convergence_target_says_when_a_run_diverged():
     convergence.derive(records)
     assert records[1]["target"] == "missed: the loss is not finite (diverged)"
     assert records[2]["target"] == "met"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+    reason="--nodes needs root and iproute2 (ip, tc) to create the nodes' network namespaces",
+)
+def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
+    before = _namespaces()
+    args = [*TINY_MODEL, "--compressors", "int8:algorithm=hierarchical", "--baselines"]
+    args += ["--nodes", "2", "--ranks-per-node", "2", "--inter-bandwidth", "100mbit"]
+    result = run_script(
+        "ddp_train.py", *args, "--link-check-bytes", "2MiB", "--out", str(tmp_path), timeout=240
+    )
+    assert _namespaces() == before
+    assert "matches the limit" in result.stdout, result.stdout
+    rows, document = read_results(tmp_path, stem("ddp_train", 4) + "-2x2-100mbit")
+    assert "2 nodes x 2 ranks, 100mbit between nodes" in rows[0]["link"]
+    check = document["link_check"]
+    # Between nodes a 2-rank all-reduce of 2 MiB sends 2 MiB each way: 168 ms at 100 Mbit/s.
+    assert 0.75 * 0.168 < check["inter_seconds"] < 0.168 / 0.75
+    assert check["intra_gbit_per_s"] > 3 * 0.1  # inside a node: loopback, not limited
+    hierarchical = next(r for r in rows if r["run"] == "int8:algorithm=hierarchical")
+    # Each local rank sends its int8 shard (half the model) to the other node only.
+    assert 0 < float(hierarchical["inter_bytes_per_step"]) < float(hierarchical["bytes_per_step"])
+    assert 0 < float(hierarchical["loss"]) < 3
