@@ -9,7 +9,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
+import sys
 import time
 
 from gradcomp import demo
@@ -134,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "plan":
         return _plan(args)
+    if importlib.util.find_spec("sklearn") is None:
+        sys.stderr.write(
+            "the demo trains on scikit-learn's digits, which is not installed: "
+            'pip install -e ".[demo]" (or pip install scikit-learn)\n'
+        )
+        return 2
     print(f"{demo.machine()}, {args.world_size} Gloo ranks", flush=True)
     began = time.perf_counter()
     rows = demo.run_demo(args.compressors, epochs=args.epochs, world_size=args.world_size)

@@ -31,3 +31,17 @@ def test_bad_settings_are_rejected_before_spawning():
         demo.run_demo(["dense"], world_size=1)
     with pytest.raises(SystemExit):
         parser().parse_args(["demo", "--compressors", "int9"])
+
+
+def test_demo_without_scikit_learn_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from gradcomp import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a)
+    )
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[demo]"' in err and err.count("\n") == 1
