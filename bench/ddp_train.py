@@ -42,12 +42,16 @@ Examples:
     python bench/ddp_train.py --bandwidth 1gbit            # needs root
     python bench/ddp_train.py --nodes 2 --ranks-per-node 2 --inter-bandwidth 1gbit   # needs root
     python bench/ddp_train.py --compressors int8 topk:ratio=0.001 --steps 20
+    python bench/ddp_train.py --compressors int8 --profile traces/     # a trace of each run's last step
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import re
 import statistics
 import sys
 import time
@@ -127,6 +131,12 @@ def parser() -> argparse.ArgumentParser:
         default=common.parse_size("64MiB"),
         help="size of the dense all-reduce that measures the link first (default 64MiB)",
     )
+    top.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a PyTorch profiler trace of each run's last step (rank 0, every thread, "
+        "gradcomp's ranges included) into DIR",
+    )
     common.add_common_options(top)
     common.add_bandwidth_option(top)
     common.add_cluster_options(top)
@@ -204,11 +214,22 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
             psgd_before = state.total_numel_after_compression
         inputs, labels = batch(step, rank, world_size, settings)
         dist.barrier()
+        profiling = settings["profile"] and rank == 0 and step == steps - 1
+        profiler = (
+            torch.profiler.profile(experimental_config=gradcomp.profiling.all_threads())
+            if profiling
+            else contextlib.nullcontext()
+        )
         began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
+        with profiler:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
         seconds.append(time.perf_counter() - began)
+        if profiling:
+            os.makedirs(settings["profile"], exist_ok=True)
+            slug = re.sub(r"[^A-Za-z0-9]+", "-", run["label"]).strip("-")
+            profiler.export_chrome_trace(os.path.join(settings["profile"], f"ddp_train-{slug}.json"))
         progress.update(step + 1, f"[{position}] {run['label']}")
     progress.close()
     slowest = torch.tensor(seconds[warmup:], dtype=torch.float64)

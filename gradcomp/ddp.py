@@ -278,10 +278,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         future = streams.new_future(buffer.device)
         state.buckets.hold(buffer, layout, future)
         if last:
-            q.submit(lambda: state.reduce_held(step, q), buffer.device)
+            q.submit(lambda: state.reduce_held(step, q), buffer.device, name="gradcomp.buckets_held")
         return future.then(_value)
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
-    future = q.submit(steps, buffer.device, writes=buffer)
+    future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
     return future.then(_value)
 
 

@@ -310,3 +310,14 @@ def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
     # Each local rank sends its int8 shard (half the model) to the other node only.
     assert 0 < float(hierarchical["inter_bytes_per_step"]) < float(hierarchical["bytes_per_step"])
     assert 0 < float(hierarchical["loss"]) < 3
+
+
+@pytest.mark.slow
+def test_ddp_train_writes_profiler_traces_with_gradcomps_ranges(tmp_path):
+    traces = tmp_path / "traces"
+    args = [*TINY_MODEL, "--compressors", "int8", "--baselines", "--profile", str(traces)]
+    run_script("ddp_train.py", *args, "--link-check-bytes", "256KiB", "--out", str(tmp_path))
+    with open(traces / "ddp_train-int8.json") as file:
+        names = {event.get("name", "") for event in json.load(file)["traceEvents"]}
+    assert {"gradcomp.compress", "gradcomp.exchange", "gradcomp.decode", "gradcomp.bucket 0"} <= names
+    assert (traces / "ddp_train-dense.json").exists()

@@ -223,7 +223,7 @@ def all_reduce(
     job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
     if algorithm == HIERARCHICAL:
         job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
-    future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor)
+    future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor, name="gradcomp.all_reduce")
     if async_op:
         return Work(future)
     return future.wait()

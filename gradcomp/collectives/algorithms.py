@@ -23,7 +23,7 @@ import torch.distributed as dist
 from gradcomp.collectives import sparse_two_phase as sparse
 from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
 from gradcomp.collectives.hierarchical import Hierarchy, hierarchical
-from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, ring_all_reduce_bytes
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor
@@ -167,7 +167,8 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
     if residual is not None and first > 1:
         residual.mul_(first)
     for wire in payload.tensors.values():
-        dist.all_reduce(wire, group=q.group)
+        with exchange():
+            dist.all_reduce(wire, group=q.group)
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
     with Timer(stats):
         job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
@@ -180,10 +181,12 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     # Every payload's size follows from numel, dtype and settings: no size exchange.
     width = buffer_size(payload.layout())
     gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
-    exchange = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
+    with exchange():
+        gather = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
     stats.bytes_sent += width * (q.world_size - 1)
     yield  # every collective of this job is issued: the next job may start
-    exchange.wait()
+    with exchange():
+        gather.wait()
     with Timer(stats):
         divisor = q.world_size if job.op == "avg" else 1
         job.compressor.decompress_sum(gathered, flat.dtype, flat, meta=payload.meta, divisor=divisor)

@@ -43,7 +43,7 @@ from collections.abc import Generator
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives.stats import ReduceStats, Timer
+from gradcomp.collectives.stats import ReduceStats, Timer, exchange
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, new_group_like
 from gradcomp.compressors import mix_seed
 
@@ -206,7 +206,8 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
         before = min(lo, numel)  # elements ahead of the own shard (the last shards may be padding)
         rows[rank, :before].copy_(flat[:before])
         rows[rank, hi:numel].copy_(flat[hi:])
-        dist.barrier(group=intra.group)
+        with exchange():
+            dist.barrier(group=intra.group)
         shard = area.shard
         with Timer(stats):
             for j in range(size):
@@ -218,7 +219,8 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
         _between_nodes(job, shard, hierarchy, stats)
         rows[size, lo:hi].copy_(shard)
         flat[lo : lo + own].copy_(shard[:own])
-        dist.barrier(group=intra.group)
+        with exchange():
+            dist.barrier(group=intra.group)
         flat[:before].copy_(rows[size, :before])
         flat[hi:].copy_(rows[size, hi:numel])
     else:
@@ -237,7 +239,8 @@ def _through_collectives(
         padded = torch.zeros(shard_len * size, dtype=flat.dtype, device=flat.device)
         padded[:numel].copy_(flat)
     received = torch.empty(size, shard_len, dtype=flat.dtype, device=flat.device)
-    dist.all_to_all_single(received.view(-1), padded, group=intra.group)
+    with exchange():
+        dist.all_to_all_single(received.view(-1), padded, group=intra.group)
     with Timer(stats):
         shard = received.sum(0, dtype=wide)
         if job.op == "avg":
@@ -245,9 +248,11 @@ def _through_collectives(
     del received
     _between_nodes(job, shard, hierarchy, stats)
     own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
-    gather = all_gather_async(padded, own, intra.group)
+    with exchange():
+        gather = all_gather_async(padded, own, intra.group)
     yield  # every collective of this job is issued: the next job may start
-    gather.wait()
+    with exchange():
+        gather.wait()
     if padded is not flat:
         flat.copy_(padded[:numel])
 

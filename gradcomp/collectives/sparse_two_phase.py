@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
-from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, TopK, mix_seed
@@ -72,11 +72,13 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
     with Timer(stats):
         split_by_range(pairs["indices"], pairs["values"], chunk, row_views(sent, send_layout), residual)
     received = torch.empty_like(sent)
-    exchange = dist.all_to_all_single(received.view(-1), sent.view(-1), group=q.group, async_op=True)
+    with exchange():
+        sent_off = dist.all_to_all_single(received.view(-1), sent.view(-1), group=q.group, async_op=True)
     stats.bytes_sent += width * (world - 1)
 
     # Phase 2: the own range: every rank's pairs added, the largest kept.
-    exchange.wait()
+    with exchange():
+        sent_off.wait()
     start, end = chunk_bounds(numel, world, 1)[rank]
     own = torch.zeros(1, buffer_size(keep_layout), dtype=torch.uint8, device=flat.device)
     if end > start:
@@ -103,11 +105,13 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
             row["indices"][0, : indices.numel()] = indices
             row["values"][0, : values.numel()] = values
     gathered = torch.empty(world, own.shape[1], dtype=torch.uint8, device=flat.device)
-    gather = all_gather_async(gathered.view(-1), own.view(-1), q.group)
+    with exchange():
+        gather = all_gather_async(gathered.view(-1), own.view(-1), q.group)
     stats.bytes_sent += own.shape[1] * (world - 1)
 
     # Phase 3: every owner's pairs decoded into place.
-    gather.wait()
+    with exchange():
+        gather.wait()
     with Timer(stats):
         fields = row_views(gathered, keep_layout)
         starts = torch.arange(world, device=flat.device).mul_(chunk).unsqueeze(1)

@@ -1,7 +1,14 @@
-"""What a compressed all-reduce cost, and how its time and error are measured."""
+"""What a compressed all-reduce cost, and how its time and error are measured.
+
+The work is also marked for the PyTorch profiler: ranges ``gradcomp.compress``,
+``gradcomp.exchange`` (issuing collectives and waiting on them) and
+``gradcomp.decode`` (decoding, summing, re-selecting), inside one range per
+job (``gradcomp.bucket <i>`` for a DDP bucket, ``gradcomp.all_reduce``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -66,24 +73,44 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
-class Timer:
-    """Adds the wall time of its ``with`` block to ``stats.compress_seconds``."""
+COMPRESS, EXCHANGE, DECODE = "gradcomp.compress", "gradcomp.exchange", "gradcomp.decode"
 
-    def __init__(self, stats: ReduceStats):
+
+class Timer:
+    """Adds the wall time of its ``with`` block to ``stats.compress_seconds``,
+    and marks it as a profiler range named ``what``."""
+
+    def __init__(self, stats: ReduceStats, what: str = DECODE):
         self.stats = stats
+        self.range = profiled(what)
 
     def __enter__(self):
+        self.range.__enter__()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
         self.stats.compress_seconds += time.perf_counter() - self.start
+        self.range.__exit__(*exc)
+
+
+def exchange():
+    """A profiler range around issuing collectives or waiting on them."""
+    return profiled(EXCHANGE)
+
+
+def profiled(name: str):
+    """A profiler range named ``name`` while a profile is being taken; nothing
+    (no dispatch, no cost) otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def measured(stats: ReduceStats, measure_error: bool, flat: torch.Tensor, residual, encode, decode):
     """``encode()`` of ``flat`` (with ``residual``), its time and, with
     ``measure_error``, its error added to ``stats``; ``decode()`` gives the
     decoded tensor, needed only to measure a compression without feedback."""
-    with Timer(stats):
+    with Timer(stats, COMPRESS):
         reference_sq = square_sum(flat, residual) if measure_error and residual is not None else None
         encoded = encode()
         if measure_error:

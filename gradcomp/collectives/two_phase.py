@@ -10,7 +10,7 @@ import typing
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives.stats import ReduceStats, Timer, measured
+from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, exchange, measured, profiled
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, mix_seed
 from gradcomp.payload import buffer_size
@@ -95,16 +95,18 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
         measured(stats, job.measure_error, part, part_residual, encode, decode)
         received = torch.empty(world, seg.sizes[rank], dtype=torch.uint8, device=flat.device)
         splits = ([seg.sizes[rank]] * world, seg.sizes)
-        exchange = dist.all_to_all_single(
-            received.view(-1), sent.view(-1)[: sum(seg.sizes)], *splits, group=q.group, async_op=True
-        )
-        exchanges.append((exchange, received, sent))
+        with exchange():
+            sent_off = dist.all_to_all_single(
+                received.view(-1), sent.view(-1)[: sum(seg.sizes)], *splits, group=q.group, async_op=True
+            )
+        exchanges.append((sent_off, received, sent))
         stats.bytes_sent += sum(seg.sizes) - seg.sizes[rank]
     # Phase 2: the own chunk of every segment: every rank's payload decoded and
     # added, recompressed with the owner's residual, all-gathered.
     gathers, owned = [], 0
-    for s, (seg, (exchange, received, _)) in enumerate(zip(segments, exchanges, strict=True)):
-        exchange.wait()
+    for s, (seg, (sent_off, received, _)) in enumerate(zip(segments, exchanges, strict=True)):
+        with exchange():
+            sent_off.wait()
         width = seg.sizes[0]
         own = torch.empty(1, width, dtype=torch.uint8, device=flat.device)
         if seg.sizes[rank] < width:
@@ -116,14 +118,17 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
                 compressor.decompress_sum(received, flat.dtype, reduced, divisor=divisor)
                 own_residual = None if owner_residual is None else owner_residual[owned : owned + seg.owned]
                 context = Context(own_residual, job.step, mix_seed(job.key, s, _OWNER), rank)
-                compressor.compress_rows(reduced, seg.chunk, own, context)
+                with profiled(COMPRESS):
+                    compressor.compress_rows(reduced, seg.chunk, own, context)
             owned += seg.owned
         gathered = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
-        gathers.append((all_gather_async(gathered.view(-1), own.view(-1), q.group), gathered, own))
+        with exchange():
+            gathers.append((all_gather_async(gathered.view(-1), own.view(-1), q.group), gathered, own))
         stats.bytes_sent += width * (world - 1)
     # Phase 3: every rank's chunk decoded into place.
     for seg, (gather, gathered, _) in zip(segments, gathers, strict=True):
-        gather.wait()
+        with exchange():
+            gather.wait()
         with Timer(stats):
             compressor.decompress_rows(gathered, flat.dtype, seg.chunk, flat[seg.start : seg.end])
 

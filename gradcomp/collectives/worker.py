@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import streams
+from gradcomp.collectives.stats import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,20 @@ class CollectiveQueue:
         self._thread.start()
 
     def submit(
-        self, fn: Callable[[], object], device: torch.device, writes: torch.Tensor | None = None
+        self,
+        fn: Callable[[], object],
+        device: torch.device,
+        writes: torch.Tensor | None = None,
+        name: str = "gradcomp.job",
     ) -> torch.futures.Future:
-        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any.
+        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any;
+        ``name``: the profiler range the job's work runs in.
 
         A job starts while the one before is paused only if their ``writes``
         share no storage: it must see the result of the one before it.
         """
         future = streams.new_future(device)
-        self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes))
+        self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes, name))
         return future
 
     def close(self) -> None:
@@ -123,7 +129,10 @@ class CollectiveQueue:
             job.error = self._earlier_failure()
             return
         try:
-            with self.streams.running(job.device, job.ready, job.writes):
+            with (
+                self.streams.running(job.device, job.ready, job.writes),
+                profiled(job.name),
+            ):
                 result = job.fn()
                 if inspect.isgenerator(result):
                     try:
@@ -145,7 +154,7 @@ class CollectiveQueue:
             job.error = self._earlier_failure()
         elif job.steps is not None:
             try:
-                with self.streams.running(job.device):
+                with self.streams.running(job.device), profiled(job.name):
                     job.result = drive(job.steps)
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
                 self.failure = job.error = error
@@ -166,6 +175,7 @@ class _Started:
     device: torch.device
     ready: object  # the submitting stream's event (None on CPU)
     writes: torch.Tensor | None
+    name: str = "gradcomp.job"
     steps: Generator | None = None
     result: object = None
     error: BaseException | None = None
