@@ -1,0 +1,114 @@
+"""A Lightning callback that compresses DDP's gradients with gradcomp.
+
+Lightning registers ``DDPStrategy(ddp_comm_hook=...)`` only when its root
+device is a GPU; on CPUs a run with gradcomp's hook passed that way trains
+dense without a word. This callback registers the hook itself, on any
+device, logs what it sends, and keeps each rank's hook state (residuals
+differ between ranks) in the trainer's checkpoints, so that
+``trainer.fit(ckpt_path=...)`` continues the compressed run.
+
+Example:
+    >>> from gradcomp.integrations.lightning import GradientCompression
+    >>> trainer = lightning.Trainer(strategy="ddp", devices=2,
+    ...                             callbacks=[GradientCompression("int8", warmup_steps=10)])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as error:  # the extra is missing
+    raise ImportError(
+        'this module needs Lightning: pip install -e ".[lightning]" or pip install lightning'
+    ) from error
+
+import gradcomp
+
+
+class GradientCompression(Callback):
+    """Register gradcomp's DDP hook on the strategy's model and checkpoint its state.
+
+    Args:
+        compressor: a compressor name or object (see :func:`gradcomp.get_compressor`).
+        log: log ``gradcomp/ratio``, ``gradcomp/bytes_sent`` (and
+            ``gradcomp/relative_error`` with ``measure_error=True``) every step.
+        **options: :func:`gradcomp.ddp.register`'s options, the hook's and
+            the compressor's (``warmup_steps``, ``algorithm``, ``ratio``, ...).
+
+    Attributes:
+        state: the :class:`gradcomp.ddp.HookState` once fitting has started.
+    """
+
+    def __init__(self, compressor="int8", log: bool = True, **options):
+        self.compressor = compressor
+        self.log = log
+        self.options = options
+        self.state: gradcomp.ddp.HookState | None = None
+        self._restored: dict | None = None
+        gradcomp.get_compressor(compressor, **_compressor_options(options))  # bad settings fail now
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        model = trainer.strategy.model
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise RuntimeError(
+                "GradientCompression needs a DDP strategy (strategy='ddp'); "
+                f"the model is a {type(model).__name__}"
+            )
+        if self.state is None:
+            self.state = gradcomp.ddp.register(model, self.compressor, **self.options)
+        if self._restored is not None:
+            self._load(self._restored, pl_module.device)
+            self._restored = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stats = self.state.last_stats if self.state is not None else None
+        if not self.log or stats is None:
+            return
+        values = {"gradcomp/ratio": stats.ratio, "gradcomp/bytes_sent": float(stats.bytes_sent)}
+        if self.options.get("measure_error"):
+            values["gradcomp/relative_error"] = stats.relative_error
+        pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def state_dict(self) -> dict:
+        """Every rank's hook state (gathered: Lightning writes rank 0's checkpoint)."""
+        mine = _to(self.state.state_dict(), "cpu") if self.state is not None else None
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"ranks": [mine]}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Lightning restores callbacks before it wraps the model: apply at fit start.
+        self._restored = state_dict
+
+    def _load(self, saved: dict, device: torch.device) -> None:
+        ranks = saved["ranks"]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if len(ranks) != world:
+            raise ValueError(
+                f"the checkpoint holds the compression state of {len(ranks)} ranks and this run has {world}: "
+                "residuals belong to their rank; resume on the same number of ranks"
+            )
+        mine = ranks[dist.get_rank() if dist.is_initialized() else 0]
+        if mine is not None:
+            self.state.load_state_dict(_to(mine, device))
+
+
+def _compressor_options(options: dict) -> dict:
+    hook = set(gradcomp.ddp._STATE_OPTIONS)
+    return {k: v for k, v in options.items() if k not in hook}
+
+
+def _to(value, device):
+    """``value`` with every tensor in it moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
