@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import gradcomp
 
@@ -330,7 +331,7 @@ _progress_stream = None
 
 
 class Progress:
-    """One status line on stderr, rewritten in place: a bar, done/total, elapsed time, a note.
+    """A progress bar on stderr (tqdm): done/total, elapsed time, a note.
 
     Off unless ``enabled`` (default: stderr is a terminal).
 
@@ -340,29 +341,19 @@ class Progress:
         >>> progress.close()
     """
 
-    def __init__(self, total: int, enabled: bool | None = None, width: int = 24):
-        self.stream = _progress_stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total = max(total, 1)
-        self.width = width
-        self.started = time.monotonic()
-        self._length = 0
+    def __init__(self, total: int, enabled: bool | None = None):
+        stream = _progress_stream or sys.stderr
+        enabled = stream.isatty() if enabled is None else enabled
+        self.bar = tqdm(
+            total=max(total, 1), file=stream, disable=not enabled, leave=False, dynamic_ncols=True
+        )
 
     def update(self, done: int, note: str = "") -> None:
-        if not self.enabled:
-            return
-        filled = round(self.width * min(done, self.total) / self.total)
-        elapsed = time.monotonic() - self.started
-        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {elapsed:5.0f}s {note}"
-        self.stream.write("\r" + text.ljust(self._length))
-        self.stream.flush()
-        self._length = len(text)
+        self.bar.set_description_str(note, refresh=False)
+        self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
-        if self.enabled and self._length:
-            self.stream.write("\r" + " " * self._length + "\r")
-            self.stream.flush()
-            self._length = 0
+        self.bar.close()
 
 
 def add_common_options(parser: argparse.ArgumentParser, spawn_default: int | None = 2) -> None:

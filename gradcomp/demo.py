@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 import gradcomp
 from gradcomp import spawn
@@ -156,13 +157,9 @@ def _attach(model: DistributedDataParallel, name: str) -> gradcomp.ddp.HookState
     return gradcomp.ddp.register(model, name, min_numel=0, measure_error=True, **OPTIONS.get(name, {}))
 
 
-def _show(text: str) -> None:
-    sys.stderr.write(f"\r{text:<60}")
-    sys.stderr.flush()
-
-
-def train(name: str, position: str, data: dict, setup: Setup, show_progress: bool) -> Row:
-    """Train one model with run ``name`` and measure it (runs on every rank)."""
+def train(name: str, position: str, data: dict, setup: Setup, progress: tqdm | None = None) -> Row:
+    """Train one model with run ``name`` and measure it (runs on every rank);
+    ``progress`` advances once an epoch."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, y = data["x_train"], data["y_train"]
     net = make_mlp(x.shape[1], setup.width, int(y.max()) + 1, setup.seed)
@@ -171,9 +168,9 @@ def train(name: str, position: str, data: dict, setup: Setup, show_progress: boo
     optimizer = torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum)
     shuffle = torch.Generator().manual_seed(setup.seed)
     step_seconds = []
-    for epoch in range(setup.epochs):
-        if show_progress:
-            _show(f"[{position}] {label_of(name)}: epoch {epoch + 1}/{setup.epochs}")
+    if progress is not None:
+        progress.set_description_str(f"[{position}] {label_of(name)}")
+    for _ in range(setup.epochs):
         order = torch.randperm(len(x), generator=shuffle)
         for start in range(0, len(x) - setup.batch_size + 1, setup.batch_size):
             shard = order[start : start + setup.batch_size][rank::world_size]
@@ -182,6 +179,8 @@ def train(name: str, position: str, data: dict, setup: Setup, show_progress: boo
             F.cross_entropy(model(x[shard]), y[shard]).backward()
             optimizer.step()
             step_seconds.append(time.perf_counter() - began)
+        if progress is not None:
+            progress.update()
     with torch.no_grad():
         train_loss = F.cross_entropy(net(x), y).item()
         test_accuracy = (net(data["x_test"]).argmax(1) == data["y_test"]).float().mean().item()
@@ -212,11 +211,10 @@ def _ranks_train(
     rank: int, world_size: int, names: list[str], setup: Setup, show_progress: bool
 ) -> list[dict]:
     data = load_digits(setup.seed)
-    show = rank == 0 and show_progress
-    rows = [train(name, f"{i + 1}/{len(names)}", data, setup, show) for i, name in enumerate(names)]
-    if show:
-        _show("")
-        sys.stderr.write("\r")
+    with tqdm(
+        total=len(names) * setup.epochs, unit="epoch", leave=False, disable=not (rank == 0 and show_progress)
+    ) as bar:
+        rows = [train(name, f"{i + 1}/{len(names)}", data, setup, bar) for i, name in enumerate(names)]
     return [dataclasses.asdict(row) for row in rows]
 
 
@@ -237,7 +235,7 @@ def run_demo(
             keep 1% of the elements).
         epochs: passes over the training set.
         world_size: processes to spawn (at least 2).
-        show_progress: rewrite one progress line on stderr while training
+        show_progress: draw a progress bar (tqdm) on stderr while training
             (default: when stderr is a terminal).
 
     Returns:
