@@ -21,6 +21,7 @@ How the hook keeps a training run safe:
 import dataclasses
 import functools
 import inspect
+import io
 import logging
 import math
 
@@ -253,6 +254,83 @@ class HookState:
             drive(self.reduce(flat, index, layout, step, last, q))
 
         self.buckets.reduce_held(reduce)
+
+
+class Checkpointable:
+    """A :class:`HookState` for ``torch.distributed.checkpoint`` (a ``Stateful``):
+    one checkpoint directory holds the model, the optimizer and every rank's
+    residuals, each rank's under a key of its own.
+
+    Args:
+        state: the hook state to save or restore.
+        mismatch: what loading a checkpoint of another world size does:
+            ``"raise"`` (default) a ``ValueError``; ``"drop"`` keeps the
+            step but starts the residuals afresh, with a warning.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> everything = {"model": model.state_dict(), "optim": optimizer.state_dict(),
+        ...               "gradcomp": gradcomp.ddp.Checkpointable(state)}
+        >>> dcp.save(everything, checkpoint_id=directory)
+        >>> dcp.load(everything, checkpoint_id=directory)  # later, same world size
+    """
+
+    def __init__(self, state: HookState, mismatch: str = "raise"):
+        if mismatch not in ("raise", "drop"):
+            raise ValueError(f"mismatch must be 'raise' or 'drop', got {mismatch!r}")
+        self.state = state
+        self.mismatch = mismatch
+
+    def state_dict(self) -> dict:
+        buffer = io.BytesIO()
+        torch.save(_on_cpu(self.state.state_dict()), buffer)
+        buffer.seek(0)
+        rank, world = _rank_and_world(self.state.process_group)
+        return {"world_size": world, f"rank{rank}": buffer}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        rank, world = _rank_and_world(self.state.process_group)
+        saved, mine = int(state_dict["world_size"]), state_dict.get(f"rank{rank}")
+        if isinstance(mine, io.BytesIO):
+            mine.seek(0)
+            mine = torch.load(mine, weights_only=False)
+        if saved != world or mine is None:
+            message = (
+                f"the checkpoint holds the hook state of {saved} ranks and this run has {world}: "
+                "residuals belong to their rank"
+            )
+            if self.mismatch == "raise":
+                raise ValueError(message + "; resume on as many ranks, or pass mismatch='drop'")
+            logger.warning("gradcomp: %s; the residuals start afresh (mismatch='drop')", message)
+            if mine is not None:
+                self.state.step = int(mine["step"])
+            return
+        self.state.load_state_dict(_on_device(mine, _device_of(self.state)))
+
+
+def _rank_and_world(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device_of(state: HookState) -> torch.device:
+    """Where the residuals live: the current CUDA device with NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.get_backend(state.process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _on_cpu(value):
+    return _on_device(value, torch.device("cpu"))
+
+
+def _on_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_device(v, device) for v in value)
+    return value
 
 
 def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -171,6 +171,52 @@ def _resume_is_bit_identical(rank: int, world_size: int) -> None:
         assert resumed_state.step == 8
 
 
+def _distributed_checkpoint_resumes(rank: int, world_size: int, directory: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from gradcomp.ddp import Checkpointable
+
+    straight = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    register(straight, "int8", min_numel=0)
+    train_steps(straight, rank, world_size, range(8))
+
+    first = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    state = register(first, "int8", min_numel=0)
+    optimizer = train_steps(first, rank, world_size, range(4))
+    model_state, optimizer_state = get_state_dict(first, optimizer)
+    dcp.save(
+        {"model": model_state, "optim": optimizer_state, "gradcomp": Checkpointable(state)},
+        checkpoint_id=directory,
+    )
+
+    resumed = DDP(make_model(seed=1), bucket_cap_mb=BUCKET_MB)
+    resumed_state = register(resumed, "int8", min_numel=0)
+    fresh = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+    model_state, optimizer_state = get_state_dict(resumed, fresh)
+    everything = {"model": model_state, "optim": optimizer_state, "gradcomp": Checkpointable(resumed_state)}
+    dcp.load(everything, checkpoint_id=directory)
+    set_state_dict(resumed, fresh, model_state_dict=everything["model"], optim_state_dict=everything["optim"])
+    assert resumed_state.step == 4 and len(resumed_state.feedback) > 0
+    train_steps(resumed, rank, world_size, range(4, 8), fresh.state_dict())
+    assert torch.equal(flat_parameters(resumed), flat_parameters(straight))
+
+    # Another world size: refused, or (by choice) the residuals start afresh.
+    other = {"world_size": world_size + 1, f"rank{rank}": everything["gradcomp"].state_dict()[f"rank{rank}"]}
+    with pytest.raises(
+        ValueError, match=f"hook state of {world_size + 1} ranks and this run has {world_size}"
+    ):
+        Checkpointable(HookState("int8")).load_state_dict(other)
+    dropped = HookState("int8")
+    Checkpointable(dropped, mismatch="drop").load_state_dict(other)
+    assert dropped.step == 8 and len(dropped.feedback) == 0
+
+
+@pytest.mark.slow
+def test_distributed_checkpoint_holds_every_ranks_residuals(tmp_path):
+    run_ranks(_distributed_checkpoint_resumes, 2, str(tmp_path))
+
+
 def train_steps(model, rank, world_size, steps, optimizer_state=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if optimizer_state is not None:
