@@ -7,9 +7,10 @@ resumed process as in the run that saved the checkpoint.
 
 * Residuals are kept per bucket index. When DDP rebuilds its buckets after
   the first iteration, :meth:`BucketLayouts.adopt` cuts them per parameter
-  and reassembles them for the new buckets: no sender's feedback is lost
-  (the residuals of a bucket's shards, the owners' of ``two_phase`` and the
-  shard's of ``hierarchical``, are reset).
+  and reassembles them for the new buckets: no sender's feedback is lost.
+  The residuals of a bucket's shards follow no parameter and are reset: the
+  owners' of ``two_phase`` (1/W of a bucket) and, for ``hierarchical``,
+  all of its feedback (it keeps only the shards').
 * A resumed process starts with DDP's initial buckets, not the rebuilt ones
   the checkpoint saw. For that first iteration the hook holds every bucket
   (:meth:`BucketLayouts.holds`), and :meth:`BucketLayouts.reduce_held`
@@ -68,7 +69,7 @@ class BucketLayouts:
         if any(number in self._pieces for number, _ in layout):
             dtype = torch.float32 if self.feedback.dtype == "fp32" else like.dtype
             parts = [
-                self._pieces.pop(number).to(dtype)
+                self._pieces.pop(number).to(like.device, dtype)
                 if number in self._pieces
                 else torch.zeros(numel, dtype=dtype, device=like.device)
                 for number, numel in layout

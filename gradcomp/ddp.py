@@ -285,12 +285,15 @@ class Checkpointable:
         buffer = io.BytesIO()
         torch.save(_on_cpu(self.state.state_dict()), buffer)
         buffer.seek(0)
+        self._placeholder = buffer  # what a load that finds nothing leaves in place
         rank, world = _rank_and_world(self.state.process_group)
         return {"world_size": world, f"rank{rank}": buffer}
 
     def load_state_dict(self, state_dict: dict) -> None:
         rank, world = _rank_and_world(self.state.process_group)
         saved, mine = int(state_dict["world_size"]), state_dict.get(f"rank{rank}")
+        if mine is getattr(self, "_placeholder", None):
+            mine = None  # the checkpoint had no state for this rank (a partial load)
         if isinstance(mine, io.BytesIO):
             mine.seek(0)
             mine = torch.load(mine, weights_only=False)
@@ -305,18 +308,12 @@ class Checkpointable:
             if mine is not None:
                 self.state.step = int(mine["step"])
             return
-        self.state.load_state_dict(_on_device(mine, _device_of(self.state)))
+        self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
 
 
 def _rank_and_world(group) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _device_of(state: HookState) -> torch.device:
-    """Where the residuals live: the current CUDA device with NCCL, else the CPU."""
-    if torch.cuda.is_available() and dist.get_backend(state.process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This process's global rank (a key no replica in another group shares) and the group's size."""
+    return dist.get_rank(), dist.get_world_size(group)
 
 
 def _on_cpu(value):

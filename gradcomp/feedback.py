@@ -43,6 +43,8 @@ class ErrorFeedback:
         if existing is None:
             existing = torch.zeros(like.numel(), dtype=dtype, device=like.device)
             self._residuals[key] = existing
+        elif existing.device != like.device:  # restored from a checkpoint on another device
+            existing = self._residuals[key] = existing.to(like.device)
         elif existing.numel() != like.numel():
             raise ValueError(
                 f"residual {key!r} holds {existing.numel()} elements but the tensor has "

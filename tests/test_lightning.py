@@ -135,3 +135,32 @@ def test_the_example_trains_and_resumes(tmp_path):
     assert "(3.9x fewer)" in first
     second = run("--epochs", "2", "--resume", os.path.join(runs, "epoch=0.ckpt"))
     assert "final loss" in second and os.path.exists(os.path.join(runs, "epoch=1.ckpt"))
+
+
+def _two_fits(rank: int, world_size: int, directory: str) -> list[int]:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
+    from gradcomp.integrations.lightning import GradientCompression
+
+    compression = GradientCompression("int8", min_numel=0)
+    counts = []
+    for epochs in (1, 2):
+        trainer = lightning.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_epochs=epochs,
+            callbacks=[compression],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=directory,
+        )
+        trainer.fit(_Net(), _loader())
+        counts.append(len(compression.state.stats))
+    return counts
+
+
+def test_a_second_fit_compresses_too(tmp_path):
+    # Lightning wraps the model anew for each fit: the hook must follow it.
+    assert run_ranks(_two_fits, 2, str(tmp_path), timeout=300) == [8, 24]

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 _SHARD_KEY = 0x48494552
 # Where a node's ranks share memory for CPU tensors.
 SHARED_MEMORY_DIR = "/dev/shm"
+_OFFER_BYTES = 512  # the shared file's path and token, as local rank 0 broadcasts them
 
 
 @dataclasses.dataclass
@@ -79,8 +80,9 @@ class Hierarchy:
         intra: this rank's node (its local rank, the node size).
         inter: the ranks with this local rank, one a node (node index, node count).
         shared_memory: whether the node's stages of CPU tensors go through
-            shared memory (set False to use collectives; it turns False by
-            itself where the node cannot share memory).
+            shared memory: True where the node's ranks share a host name; it
+            turns False by itself where they cannot share memory. Set it on
+            every rank of the node alike, or not at all.
     """
 
     nodes: list[list[int]]
@@ -161,7 +163,8 @@ def _node_ids(q: CollectiveQueue, views: list[dict]) -> tuple[list, str]:
 
 
 def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
-    ids, source = _node_ids(q, _views(q, node_size))
+    views = _views(q, node_size)
+    ids, source = _node_ids(q, views)
     nodes: dict[object, list[int]] = {}
     for rank, node in enumerate(ids):
         nodes.setdefault(node, []).append(rank)
@@ -180,7 +183,10 @@ def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
     inter_ranks = [ranks[node[local]] for node in layout]
     intra = new_group_like(q.group, intra_ranks) if len(intra_ranks) > 1 else None
     inter = new_group_like(q.group, inter_ranks) if len(inter_ranks) > 1 else None
-    return Hierarchy(layout, source, Level(intra, local, len(intra_ranks)), Level(inter, here, len(layout)))
+    one_host = len({views[r]["host"] for r in layout[here]}) == 1
+    return Hierarchy(
+        layout, source, Level(intra, local, len(intra_ranks)), Level(inter, here, len(layout)), one_host
+    )
 
 
 def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> Generator:
@@ -315,34 +321,47 @@ def _shared_area(hierarchy: Hierarchy, length: int, dtype: torch.dtype) -> Share
 
 
 def _map_shared(intra: Level, count: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """``count`` zeros of ``dtype`` mapped by every rank of the node, or None
-    on every rank if any cannot. Local rank 0 makes a file in ``/dev/shm``
-    (space reserved up front: a full tmpfs fails here, not with a bus error
-    later), the others map it by name, and it is unlinked once all agree."""
+    """``count`` elements of ``dtype`` mapped by every rank of the node, or
+    None on every rank if any cannot. Local rank 0 makes a file in
+    ``/dev/shm`` (space reserved up front: a full tmpfs fails here, not with
+    a bus error later) ending in a random token; the others open it by name
+    without creating it and check the token (a rank with another ``/dev/shm``
+    must not map a file of its own), and it is unlinked once all agree."""
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    name = ""
+    offer = ""
     if intra.rank == 0:
-        path = os.path.join(SHARED_MEMORY_DIR, f"gradcomp-{os.getpid()}-{secrets.token_hex(8)}")
+        token = secrets.token_hex(8)
+        path = os.path.join(SHARED_MEMORY_DIR, f"gradcomp-{os.getpid()}-{token}")
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(descriptor, 0, nbytes)
+                os.posix_fallocate(descriptor, 0, nbytes + len(token))
+                os.pwrite(descriptor, token.encode(), nbytes)
             finally:
                 os.close(descriptor)
-            name = path
-        except OSError as error:
+            offer = f"{path}\n{token}"
+        except Exception as error:  # noqa: BLE001 - any failure: every rank takes collectives
             logger.info("gradcomp: no shared memory for the node's stages (%s); using collectives", error)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    encoded = torch.zeros(256, dtype=torch.uint8)
-    encoded[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    encoded = torch.zeros(_OFFER_BYTES, dtype=torch.uint8)
+    if len(offer.encode()) <= _OFFER_BYTES:
+        encoded[: len(offer.encode())] = torch.tensor(list(offer.encode()), dtype=torch.uint8)
     dist.broadcast(encoded, src=dist.get_global_rank(intra.group, 0), group=intra.group)
-    name = bytes(encoded[encoded != 0].tolist()).decode()
+    offer = bytes(encoded[encoded != 0].tolist()).decode()
+    name, _, token = offer.partition("\n")
     mapped = None
     if name:
         try:
+            descriptor = os.open(name, os.O_RDONLY)  # never created here
+            try:
+                seen = os.pread(descriptor, len(token), nbytes).decode()
+            finally:
+                os.close(descriptor)
+            if seen != token:
+                raise OSError(f"{name} is not the file local rank 0 made (another /dev/shm?)")
             mapped = torch.from_file(name, shared=True, size=count, dtype=dtype)
-        except (RuntimeError, OSError) as error:
+        except (RuntimeError, OSError, UnicodeDecodeError) as error:
             logger.info(
                 "gradcomp: cannot map the node's shared memory %s (%s); using collectives", name, error
             )

@@ -47,6 +47,7 @@ class GradientCompression(Callback):
         self.log = log
         self.options = options
         self.state: gradcomp.ddp.HookState | None = None
+        self._model = None  # the DDP wrapper the hook is registered on
         self._restored: dict | None = None
         gradcomp.get_compressor(compressor, **_compressor_options(options))  # bad settings fail now
 
@@ -59,6 +60,10 @@ class GradientCompression(Callback):
             )
         if self.state is None:
             self.state = gradcomp.ddp.register(model, self.compressor, **self.options)
+        elif model is not self._model:
+            # Lightning wraps the model anew for every fit: the hook goes on the new wrapper.
+            model.register_comm_hook(self.state, gradcomp.ddp.hook)
+        self._model = model
         if self._restored is not None:
             self._load(self._restored, pl_module.device)
             self._restored = None
@@ -73,7 +78,9 @@ class GradientCompression(Callback):
         pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def state_dict(self) -> dict:
-        """Every rank's hook state (gathered: Lightning writes rank 0's checkpoint)."""
+        """Every rank's hook state, gathered (Lightning writes rank 0's checkpoint):
+        a collective, so checkpoints must be saved by every rank, as
+        ``ModelCheckpoint`` and ``trainer.save_checkpoint`` do."""
         mine = _to(self.state.state_dict(), "cpu") if self.state is not None else None
         if not (dist.is_available() and dist.is_initialized()):
             return {"ranks": [mine]}
