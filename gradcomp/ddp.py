@@ -283,7 +283,7 @@ class Checkpointable:
 
     def state_dict(self) -> dict:
         buffer = io.BytesIO()
-        torch.save(_on_cpu(self.state.state_dict()), buffer)
+        torch.save(on_device(self.state.state_dict(), "cpu"), buffer)
         buffer.seek(0)
         self._placeholder = buffer  # what a load that finds nothing leaves in place
         rank, world = _rank_and_world(self.state.process_group)
@@ -316,17 +316,14 @@ def _rank_and_world(group) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size(group)
 
 
-def _on_cpu(value):
-    return _on_device(value, torch.device("cpu"))
-
-
-def _on_device(value, device: torch.device):
+def on_device(value, device: torch.device | str):
+    """``value`` (a state dict) with every tensor in it moved to ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return {k: _on_device(v, device) for k, v in value.items()}
+        return {k: on_device(v, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_on_device(v, device) for v in value)
+        return type(value)(on_device(v, device) for v in value)
     return value
 
 

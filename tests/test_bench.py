@@ -246,16 +246,19 @@ def test_convergence_rejects_bad_settings():
     assert result.returncode == 2 and "--dense-steps" in result.stderr
 
 
+needs_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+    reason="--bandwidth and --nodes need root and iproute2 (ip, tc) to create network namespaces",
+)
+
+
 def _namespaces() -> set[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listing.splitlines() if line.strip()}
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="--bandwidth needs root and iproute2 (ip, tc) to create a limited network namespace",
-)
+@needs_namespaces
 def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
     before = _namespaces()
     args = [
@@ -289,10 +292,7 @@ def test_convergence_target_says_when_a_run_diverged():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="--nodes needs root and iproute2 (ip, tc) to create the nodes' network namespaces",
-)
+@needs_namespaces
 def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
     before = _namespaces()
     args = [*TINY_MODEL, "--compressors", "int8:algorithm=hierarchical", "--baselines"]

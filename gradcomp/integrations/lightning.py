@@ -65,7 +65,7 @@ class GradientCompression(Callback):
             model.register_comm_hook(self.state, gradcomp.ddp.hook)
         self._model = model
         if self._restored is not None:
-            self._load(self._restored, pl_module.device)
+            self._load(self._restored)
             self._restored = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -81,7 +81,7 @@ class GradientCompression(Callback):
         """Every rank's hook state, gathered (Lightning writes rank 0's checkpoint):
         a collective, so checkpoints must be saved by every rank, as
         ``ModelCheckpoint`` and ``trainer.save_checkpoint`` do."""
-        mine = _to(self.state.state_dict(), "cpu") if self.state is not None else None
+        mine = gradcomp.ddp.on_device(self.state.state_dict(), "cpu") if self.state is not None else None
         if not (dist.is_available() and dist.is_initialized()):
             return {"ranks": [mine]}
         everyone = [None] * dist.get_world_size()
@@ -92,7 +92,7 @@ class GradientCompression(Callback):
         # Lightning restores callbacks before it wraps the model: apply at fit start.
         self._restored = state_dict
 
-    def _load(self, saved: dict, device: torch.device) -> None:
+    def _load(self, saved: dict) -> None:
         ranks = saved["ranks"]
         world = dist.get_world_size() if dist.is_initialized() else 1
         if len(ranks) != world:
@@ -102,20 +102,9 @@ class GradientCompression(Callback):
             )
         mine = ranks[dist.get_rank() if dist.is_initialized() else 0]
         if mine is not None:
-            self.state.load_state_dict(_to(mine, device))
+            self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
 
 
 def _compressor_options(options: dict) -> dict:
     hook = set(gradcomp.ddp._STATE_OPTIONS)
     return {k: v for k, v in options.items() if k not in hook}
-
-
-def _to(value, device):
-    """``value`` with every tensor in it moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
