@@ -41,6 +41,7 @@ class BucketLayouts:
     def __init__(self, feedback: ErrorFeedback):
         self.feedback = feedback
         self._numbers: dict[int, int] = {}  # id(parameter) -> number
+        self._shapes: dict[int, tuple[int, ...]] = {}  # parameter number -> its shape
         self._layouts: dict[int, BucketLayout] = {}  # bucket index -> layout
         self._pieces: dict[int, torch.Tensor] = {}  # parameter number -> its cut residual
         self._restored: dict[int, BucketLayout] | None = None  # the checkpoint's, until first used
@@ -51,8 +52,14 @@ class BucketLayouts:
         layout = []
         for parameter in bucket.parameters():
             number = self._numbers.setdefault(id(parameter), len(self._numbers))
+            self._shapes[number] = tuple(parameter.shape)
             layout.append((number, parameter.numel()))
         return tuple(layout)
+
+    def shapes_of(self, layout: BucketLayout) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the parameters of ``layout``, in bucket order (what a
+        low-rank compressor factorises)."""
+        return tuple(self._shapes[number] for number, _ in layout)
 
     def adopt(self, index: int, layout: BucketLayout, like: torch.Tensor) -> None:
         """Make ``layout`` bucket ``index``'s, assembling its residual from pieces.

@@ -235,6 +235,7 @@ class HookState:
             key=index,
             step=step,
             measure_error=self.measure_error and not dense,
+            shapes=self.buckets.shapes_of(layout) if self.compressor.low_rank else None,
         )
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm

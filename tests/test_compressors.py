@@ -100,6 +100,8 @@ RELATIVE_ERROR = {
     "topk-ratio=0.1-index_dtype=int64": (0.70, 0.78),
     "randk-rescale=True": (9.0, 11.0),
     "randk-k=7": (0.9999, 1.0),
+    # A vector is sent as it is; tests/test_low_rank.py covers matrices.
+    "powersgd": (0.0, 0.0),
 }
 
 
@@ -127,7 +129,7 @@ def expected_nbytes(name: str, options: dict, numel: int, dtype: torch.dtype, k:
     element = torch.empty((), dtype=dtype).element_size()
     block = options.get("block", 1024 if name == "sign" else 256)
     scales = 4 * math.ceil(numel / block)
-    if name == "none":
+    if name in ("none", "powersgd"):  # powersgd: a vector goes as it is
         return element * numel
     if name in ("fp16", "bf16"):
         return 2 * numel
@@ -353,6 +355,7 @@ NEEDS_FEEDBACK = {
     "topk-ratio=0.1-index_dtype=int64": True,
     "randk-rescale=True": False,
     "randk-k=7": True,
+    "powersgd": True,
 }
 
 
@@ -378,6 +381,8 @@ def test_unbiased_and_summable_facts():
     assert get_compressor("randk", rescale=True).unbiased
     summable = {name for name, cls in gradcomp.COMPRESSORS.items() if cls.summable}
     assert summable == {"none", "fp16", "bf16", "randk"}
+    low_rank = {name for name, cls in gradcomp.COMPRESSORS.items() if cls.low_rank}
+    assert low_rank == {"powersgd"}
 
 
 @pytest.mark.parametrize("rescale", [False, True])

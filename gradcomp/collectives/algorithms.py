@@ -10,6 +10,9 @@ from its facts (DESIGN.md):
   (:mod:`gradcomp.collectives.sparse_two_phase`);
 * ``hierarchical``: dense inside each node, one of the above between nodes
   (:mod:`gradcomp.collectives.hierarchical`).
+
+A low-rank compressor (PowerSGD) takes ``dense``: its factors are summed in
+two dense all-reduces (:mod:`gradcomp.collectives.low_rank`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from gradcomp.collectives import sparse_two_phase as sparse
 from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
 from gradcomp.collectives.hierarchical import Hierarchy, hierarchical
+from gradcomp.collectives.low_rank import low_rank
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
@@ -45,7 +49,7 @@ def default_algorithm(compressor: Compressor, world_size: int | None = None) -> 
     """``dense`` for summable payloads; for Top-K ``allgather`` on fewer than
     ``SPARSE_TWO_PHASE_FROM`` ranks (or an unknown number), ``two_phase`` from
     there on; ``two_phase`` for other payloads."""
-    if compressor.summable:
+    if compressor.summable or compressor.low_rank:
         return "dense"
     if compressor.sparse:
         wide = world_size is not None and world_size >= SPARSE_TWO_PHASE_FROM
@@ -57,11 +61,16 @@ def check_algorithm(compressor: Compressor, algorithm: str | None, world_size: i
     """``algorithm`` if ``compressor`` can take it, else ``ValueError``; None
     gives :func:`default_algorithm`."""
     algorithm = algorithm or default_algorithm(compressor, world_size)
+    if compressor.low_rank and algorithm != "dense":
+        raise ValueError(
+            f"{compressor.name!r} factorises the tensor's matrices and sums the factors in two dense "
+            f"all-reduces: it takes algorithm 'dense', not {algorithm!r}"
+        )
     if algorithm == HIERARCHICAL:
         return algorithm  # any compressor: its inner algorithm is checked on its own
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {(*ALGORITHMS, HIERARCHICAL)}, got {algorithm!r}")
-    if algorithm == "dense" and not compressor.summable:
+    if algorithm == "dense" and not (compressor.summable or compressor.low_rank):
         raise ValueError(f"algorithm 'dense' needs a summable compressor; {compressor.name!r} is not")
     if algorithm == "two_phase" and compressor.sparse and not sparse.accepts(compressor):
         raise ValueError(
@@ -81,6 +90,9 @@ class Job:
         step: step number of the random streams.
         hierarchy: the nodes of a ``hierarchical`` job; ``inter_algorithm``
             the algorithm between nodes (None: the compressor's default).
+        shapes: the shapes of the tensors laid end to end in ``tensor``
+            (a DDP bucket's parameters), for a low-rank compressor; None:
+            the tensor's own shape.
     """
 
     tensor: torch.Tensor
@@ -93,6 +105,7 @@ class Job:
     measure_error: bool = False
     hierarchy: Hierarchy | None = None
     inter_algorithm: str | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
@@ -118,11 +131,15 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     algorithm = job.algorithm
     if algorithm == HIERARCHICAL:
         algorithm = f"{algorithm}/{job.inter_algorithm or 'default'}"
+    if job.compressor.low_rank:  # the matrices decide the factors' sizes
+        algorithm = f"{algorithm}/shapes {job.shapes or tuple(tensor.shape)}"
     verify_agreement(q, fingerprint_of(job.compressor, tensor, algorithm, job.op), tensor.device)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
     if job.algorithm == HIERARCHICAL:
         yield from hierarchical(job, flat, job.hierarchy, stats)
+    elif job.compressor.low_rank:
+        yield from low_rank(job, flat, q, stats)
     elif q.world_size == 1:
         _local(job, flat, stats)
     elif job.algorithm == "dense":

@@ -22,6 +22,7 @@ from gradcomp.collectives.stats import ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.compressors.base import resolve_k
+from gradcomp.compressors.low_rank import work_dtype
 from gradcomp.payload import buffer_size
 
 
@@ -51,13 +52,21 @@ def cost(
     world_size: int,
     algorithm: str | None = None,
     dtype: torch.dtype = torch.float32,
+    shapes=None,
 ) -> Cost:
-    """The :class:`Cost` of an all-reduce of ``numel`` elements over ``world_size`` ranks."""
+    """The :class:`Cost` of an all-reduce of ``numel`` elements over ``world_size``
+    ranks; ``shapes``: of the tensors laid end to end in them, for a low-rank
+    compressor (default: one vector)."""
     compressor = get_compressor(compressor)
     algorithm = check_algorithm(compressor, algorithm, world_size)
     world = world_size
     if world == 1 or numel == 0:
         return Cost(0, 0)
+    if compressor.low_rank:  # P with the dense tensors, then Q: two all-reduces
+        fact = compressor.factorization(shapes or ((numel,),))
+        itemsize = work_dtype(dtype).itemsize
+        sizes = [n * itemsize for n in (fact.p_numel + fact.dense_numel, fact.q_numel) if n]
+        return Cost(sum(ring_all_reduce_bytes(n, world) for n in sizes), 2 * (world - 1) * len(sizes))
     if algorithm == "dense":
         tensors = compressor.compress(torch.zeros(numel, dtype=dtype)).tensors.values()
         sizes = [t.numel() * t.element_size() for t in tensors]

@@ -53,6 +53,8 @@ class Compressor:
     Class facts the collectives read:
         summable: payloads of all ranks add up without decoding (dense all-reduce).
         sparse: payload is much smaller than dense; gathering is best.
+        low_rank: factors of the tensor's matrices, summed in two dense
+            all-reduces (the bucket's tensor shapes decide what is a matrix).
 
     A payload's size depends only on numel, dtype and settings
     (:meth:`payload_layout`): collectives never exchange sizes, which on a
@@ -67,6 +69,7 @@ class Compressor:
     name: ClassVar[str] = ""
     summable: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
+    low_rank: ClassVar[bool] = False
 
     def __init__(self, *, feedback: bool | None = None, seed: int = 0):
         if feedback is not None and not isinstance(feedback, bool):
@@ -115,7 +118,7 @@ class Compressor:
         ctx = ctx or Context()
         if ctx.residual is not None:
             _check_companion("residual", ctx.residual, tensor.numel(), tensor.device)
-        tensors, meta = self._encode(tensor.detach().reshape(-1), ctx)
+        tensors, meta = self._encode_shaped(tensor.detach().reshape(-1), tensor.shape, ctx)
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 
     @torch.no_grad()
@@ -202,6 +205,11 @@ class Compressor:
     # ------------------------------------------------------------------ subclasses
     def _encode(self, flat: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         raise NotImplementedError
+
+    def _encode_shaped(self, flat: torch.Tensor, shape: torch.Size, ctx: Context):
+        """``_encode`` of ``flat``, the tensor of ``shape`` flattened; compressors
+        that see matrices in a tensor (low rank) override this one."""
+        return self._encode(flat, ctx)
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         raise NotImplementedError

@@ -1,0 +1,97 @@
+"""The all-reduce of a low-rank compressor (PowerSGD): two dense all-reduces.
+
+For the matrices of a tensor (the shapes of a DDP bucket's parameters, or
+the tensor's own shape), each rank computes ``P_i = M_i Q`` from the shared
+``Q``; the ``P_i`` are summed (first all-reduce, with the tensors sent as
+they are), ``P`` is orthonormalised, the same bits on every rank; each rank
+computes ``Q_i = M_i^T P`` and keeps ``M_i - P Q_i^T`` as its residual; the
+``Q_i`` are summed (second all-reduce), and the result is ``P Q^T``, the sum
+of every rank's projection onto ``P``. The summed ``Q`` starts the next
+step's iteration (warm start), kept with the residuals.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Generator
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives.stats import (
+    COMPRESS,
+    ReduceStats,
+    Timer,
+    exchange,
+    ring_all_reduce_bytes,
+    square_sum,
+)
+from gradcomp.collectives.worker import CollectiveQueue
+from gradcomp.compressors import low_rank as lr
+
+if typing.TYPE_CHECKING:
+    from gradcomp.collectives.algorithms import Job
+
+
+def warm_start_key(key: int) -> tuple[str, int]:
+    """The key the warm-start ``Q`` of residual ``key`` is kept under."""
+    return ("powersgd.q", key)
+
+
+def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+    """Reduce ``flat`` (the job's tensor) in place: see the module's docstring."""
+    compressor = job.compressor
+    fact = compressor.factorization(job.shapes or (tuple(job.tensor.shape),))
+    dtype = lr.work_dtype(flat.dtype)
+    residual = job.residual(job.key, flat)
+    with Timer(stats, COMPRESS):
+        stacks = lr.gather_matrices(flat, residual, fact, dtype)
+        first = torch.empty(fact.p_numel + fact.dense_numel, dtype=dtype, device=flat.device)
+        p, packed = first[: fact.p_numel], first[fact.p_numel :]
+        lr.gather_dense(flat, residual, fact, packed)
+        lr.project(stacks, _warm_start(job, fact, flat.device, dtype), p, fact)
+        if job.measure_error:  # the dense slices are sent exactly: only the matrices lose
+            stats.input_sq = sum(square_sum(stack) for stack in stacks) + square_sum(packed)
+    _all_reduce(first, q, stats)
+    with Timer(stats, COMPRESS):
+        lr.orthonormalize(p, fact)
+        second = torch.empty(fact.q_numel, dtype=dtype, device=flat.device)
+        lr.project_back(stacks, p, second, fact)
+        if residual is not None or job.measure_error:
+            # This rank's residual is what its own projection onto P lost.
+            differences = lr.residual_differences(stacks, p, second, fact)
+            if residual is not None:
+                lr.store_residuals(differences, residual, fact)
+            if job.measure_error:
+                stats.error_sq = sum(square_sum(difference) for difference in differences)
+    work = _all_reduce(second, q, stats, async_op=True)
+    yield  # every collective of this job is issued: the next job may start
+    if work is not None:
+        with exchange():
+            work.wait()
+    with Timer(stats):
+        if job.op == "avg" and q.world_size > 1:
+            second /= q.world_size  # the factor, not the product: fewer values to divide
+            packed /= q.world_size
+        lr.scatter_matrices(lr.reconstruct(p, second, fact), flat, fact)
+        lr.scatter_dense(packed, flat, fact)
+    if compressor.warm_start and job.feedback is not None:
+        job.feedback.set(warm_start_key(job.key), second)
+
+
+def _warm_start(job: Job, fact: lr.Factorization, device, dtype) -> torch.Tensor:
+    """Last step's summed ``Q`` of this key, else a seeded random one."""
+    if job.compressor.warm_start and job.feedback is not None:
+        kept = job.feedback.get(warm_start_key(job.key))
+        if kept is not None and kept.numel() == fact.q_numel:
+            return kept.to(device, dtype)
+    return job.compressor.initial_q(fact, job.key, job.step, device).to(dtype)
+
+
+def _all_reduce(tensor: torch.Tensor, q: CollectiveQueue, stats: ReduceStats, async_op: bool = False):
+    if q.world_size == 1 or tensor.numel() == 0:
+        return None
+    with exchange():
+        work = dist.all_reduce(tensor, group=q.group, async_op=async_op)
+    stats.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
+    return work
