@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -236,6 +237,28 @@ def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
         assert start_doc["curves"][run][0] == dense_curve[0]
         assert plain_doc["curves"][run][0] != dense_curve[0]
     assert start_doc["settings"]["dense_steps"] == 21
+
+
+@pytest.mark.slow
+def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
+    args = ["--task", "lm", "--steps", "4", "--corpus-bytes", "40000", "--dense-steps", "2"]
+    result = run_script("convergence.py", *args, "--compressors", "powersgd", "int8", "--out", str(tmp_path))
+    assert (
+        "byte-level GPT" in result.stdout and "compressed runs dense for their first 2 steps" in result.stdout
+    )
+    rows, document = read_results(tmp_path, stem("convergence-lm"))
+    names = ["dense", "torch fp16 hook", "torch PowerSGD rank 4", "powersgd", "int8"]
+    assert [r["run"] for r in rows] == names
+    bytes_per_step = {r["run"]: float(r["bytes_per_step"]) for r in rows}
+    # gradcomp's powersgd counts what its collectives send; torch's hook is
+    # counted from the model's shapes by the same rule: they must agree.
+    assert bytes_per_step["powersgd"] == bytes_per_step["torch PowerSGD rank 4"]
+    assert bytes_per_step["powersgd"] < bytes_per_step["int8"] < bytes_per_step["dense"]
+    assert all(math.isfinite(float(r["validation_loss"])) for r in rows)
+    assert rows[3]["target"].startswith(("met", "missed")) and rows[1]["target"] == ""
+    # Every run starts from the same model: the same loss before the first step.
+    assert len({curve[0][1] for curve in document["curves"].values()}) == 1
+    assert document["corpus"]["bytes"] == 40000 and document["corpus"]["validation_bytes"] == 4000
 
 
 @pytest.mark.slow
