@@ -276,3 +276,20 @@ def _hook_trains(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_hook_trains_a_multi_bucket_model_with_identical_replicas(world_size):
     run_ranks(_hook_trains, world_size, timeout=400)
+
+
+def _steady_state_has_no_host_sync(rank: int, world_size: int) -> None:
+    gradcomp.collectives.release_queues()
+    with counted() as counts:
+        x = seeded_randn((96, 80), seed=rank)
+        gradcomp.all_reduce(x.clone(), "powersgd", name="w")  # the first call checks agreement
+        counts.active = True
+        gradcomp.all_reduce(x.clone(), "powersgd", name="w")
+        counts.active = False
+    gradcomp.collectives.release_queues()
+    assert not counts.syncs, counts.summary()
+    assert counts.collectives["c10d.allreduce_"] == 2, counts.summary()
+
+
+def test_steady_state_all_reduce_has_no_host_sync_and_two_collectives():
+    run_ranks(_steady_state_has_no_host_sync, 2)
