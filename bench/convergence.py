@@ -341,15 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     derive(records)
     print(describe(settings, records))
     print(format_report(records))
+    write(results, records, plot, "convergence")
+    return 0
+
+
+def write(results: common.Results, records: list[dict], draw, title: str, extra: dict | None = None) -> None:
+    """Write the records (their curves apart, in the JSON) and ``draw``'s PNG; say where."""
     curves = {record["run"]: record.pop("curve") for record in records}
-    paths = results.write(records, extra=dict(curves=curves))
+    paths = results.write(records, extra=dict(curves=curves, **(extra or {})))
     for record in records:
         record["curve"] = curves[record["run"]]
     png = results.path("png")
-    plot(records, f"convergence: {results.machine['machine']}", png)
+    draw(records, f"{title}: {results.machine['machine']}", png)
     print(f"wrote {', '.join([*paths, png])}")
     print(f"load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
-    return 0
 
 
 # ----------------------------------------------------------------------------- --task lm
@@ -536,14 +541,7 @@ def main_lm(args: argparse.Namespace) -> int:
     parameters = next((r["parameters"] for r in records if "parameters" in r), 0)
     print(lm_describe(settings, corpus, parameters))
     print(lm_report(records))
-    curves = {record["run"]: record.pop("curve") for record in records}
-    paths = results.write(records, extra=dict(curves=curves, corpus=corpus, model=LM_MODEL))
-    for record in records:
-        record["curve"] = curves[record["run"]]
-    png = results.path("png")
-    lm_plot(records, f"convergence, lm: {results.machine['machine']}", png)
-    print(f"wrote {', '.join([*paths, png])}")
-    print(f"load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
+    write(results, records, lm_plot, "convergence, lm", extra=dict(corpus=corpus, model=LM_MODEL))
     return 0
 
 
