@@ -42,6 +42,8 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
     """Reduce ``flat`` (the job's tensor) in place: see the module's docstring."""
     compressor = job.compressor
     fact = compressor.factorization(job.shapes or (tuple(job.tensor.shape),))
+    if fact.numel != flat.numel():
+        raise ValueError(f"the shapes hold {fact.numel} elements, the tensor {flat.numel()}: {job.shapes}")
     dtype = lr.work_dtype(flat.dtype)
     residual = job.residual(job.key, flat)
     with Timer(stats, COMPRESS):
@@ -65,6 +67,10 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
             if job.measure_error:
                 stats.error_sq = sum(square_sum(difference) for difference in differences)
     work = _all_reduce(second, q, stats, async_op=True)
+    if compressor.warm_start and job.feedback is not None:
+        # Kept now, not after the wait: whether a re-bucketing that starts
+        # meanwhile drops it must not depend on timing.
+        job.feedback.set(warm_start_key(job.key), second)
     yield  # every collective of this job is issued: the next job may start
     if work is not None:
         with exchange():
@@ -75,16 +81,17 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
             packed /= q.world_size
         lr.scatter_matrices(lr.reconstruct(p, second, fact), flat, fact)
         lr.scatter_dense(packed, flat, fact)
-    if compressor.warm_start and job.feedback is not None:
-        job.feedback.set(warm_start_key(job.key), second)
 
 
 def _warm_start(job: Job, fact: lr.Factorization, device, dtype) -> torch.Tensor:
-    """Last step's summed ``Q`` of this key, else a seeded random one."""
+    """Last step's summed ``Q`` of this key, else a seeded random one. A step
+    with a NaN or infinity leaves a non-finite Q: its entries restart at zero
+    (a zero Q makes P the first unit vectors, and the step after recovers),
+    or one bad step would make every later one NaN."""
     if job.compressor.warm_start and job.feedback is not None:
         kept = job.feedback.get(warm_start_key(job.key))
         if kept is not None and kept.numel() == fact.q_numel:
-            return kept.to(device, dtype)
+            return kept.to(device, dtype).nan_to_num(0.0, 0.0, 0.0)
     return job.compressor.initial_q(fact, job.key, job.step, device).to(dtype)
 
 

@@ -56,6 +56,7 @@ class Factorization:
     """How a flat buffer of tensors of ``shapes`` is sent by a low-rank compressor.
 
     Attributes:
+        numel: elements of all the tensors.
         groups: the factorised matrices, grouped by shape.
         dense: ``(start, end)`` slices of the flat buffer sent as they are.
         rank: the factors' number of columns.
@@ -63,6 +64,7 @@ class Factorization:
             factors and of the dense slices.
     """
 
+    numel: int
     groups: tuple[MatrixGroup, ...]
     dense: tuple[tuple[int, int], ...]
     rank: int
@@ -95,7 +97,7 @@ def factorization(shapes: Shapes, rank: int, min_compression: float) -> Factoriz
         p_numel += len(starts) * rows * rank
         q_numel += len(starts) * cols * rank
     dense_numel = sum(end - start for start, end in dense)
-    return Factorization(tuple(groups), tuple(dense), rank, p_numel, q_numel, dense_numel)
+    return Factorization(offset, tuple(groups), tuple(dense), rank, p_numel, q_numel, dense_numel)
 
 
 def factor_views(buffer: torch.Tensor, fact: Factorization, which: str) -> list[torch.Tensor]:
@@ -216,7 +218,8 @@ class PowerSGD(Compressor):
             this many times smaller than it; the rest is sent as it is.
 
     The payloads of a bucket are summed in two dense all-reduces (P, then Q):
-    the algorithm is ``"dense"``. A tensor compressed on its own
+    the algorithm is ``"dense"``. Factors and the tensors sent as they are
+    travel in fp32 (fp64 for fp64 gradients), also for 16-bit gradients. A tensor compressed on its own
     (:meth:`compress`) is one matrix of its first dimension by the rest.
 
     Example:
@@ -251,9 +254,10 @@ class PowerSGD(Compressor):
         return factorization(tuple(tuple(s) for s in shapes), self.rank, self.min_compression)
 
     def initial_q(self, fact: Factorization, key: int, step: int, device) -> torch.Tensor:
-        """A seeded random ``Q`` (flat), the same on every rank and device."""
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, step, key))
-        return torch.randn(fact.q_numel, generator=generator).to(device)
+        """A seeded random ``Q`` (flat), the same on every rank; drawn on
+        ``device`` (a copy from the host would wait for the device)."""
+        generator = reference.generator(mix_seed(self.seed, step, key), torch.device(device))
+        return torch.randn(fact.q_numel, generator=generator, device=device)
 
     # ------------------------------------------------------------------ one tensor
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
