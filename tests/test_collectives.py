@@ -27,6 +27,7 @@ ERROR_BOUND = {
     "int8": 0.03,
     "int4": 0.4,
     "int2": 1.6,
+    "ternary": 1.6,
     "qsgd": 2.5,
     "sign": 1.2,
     "topk": 1.0,

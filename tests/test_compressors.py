@@ -27,6 +27,7 @@ VARIANTS = [(name, {}) for name in NAMES] + [
     ("int8", {"stochastic": True}),
     ("int4", {"stochastic": True}),
     ("int2", {"stochastic": True}),
+    ("ternary", {"stochastic": True}),
     ("int8", {"block": 100}),
     ("qsgd", {"levels": 1}),
     ("qsgd", {"levels": 127, "block": 64}),
@@ -85,6 +86,7 @@ RELATIVE_ERROR = {
     "int8": (0.0055, 0.0080),
     "int4": (0.10, 0.14),
     "int2": (0.70, 0.85),
+    "ternary": (0.70, 0.85),  # int2's values
     "qsgd": (0.85, 1.00),
     "sign": (0.59, 0.615),
     "topk": (0.945, 0.965),
@@ -92,6 +94,7 @@ RELATIVE_ERROR = {
     "int8-stochastic=True": (0.0080, 0.011),
     "int4-stochastic=True": (0.15, 0.20),
     "int2-stochastic=True": (1.05, 1.30),
+    "ternary-stochastic=True": (1.05, 1.30),
     "int8-block=100": (0.0050, 0.0075),
     "qsgd-levels=1": (2.8, 3.8),
     "qsgd-levels=127-block=64": (0.022, 0.030),
@@ -136,6 +139,8 @@ def expected_nbytes(name: str, options: dict, numel: int, dtype: torch.dtype, k:
     if name in ("int8", "int4", "int2"):
         bits = int(name[3:])
         return math.ceil(numel * bits / 8) + scales
+    if name == "ternary":  # five codes a byte
+        return math.ceil(numel / 5) + scales
     if name == "qsgd":
         # 2 * levels + 1 codes in 1, 2, 4 or 8 bits.
         bits = {1: 2, 7: 4, 127: 8}[options.get("levels", 7)]
@@ -281,6 +286,7 @@ UNBIASED_VARIANTS = [
     ("int8", {"stochastic": True}),
     ("int4", {"stochastic": True}),
     ("int2", {"stochastic": True}),
+    ("ternary", {"stochastic": True}),
     ("randk", {"rescale": True, "ratio": 0.1}),
 ]
 
@@ -340,6 +346,7 @@ NEEDS_FEEDBACK = {
     "int8": True,
     "int4": True,
     "int2": True,
+    "ternary": True,
     "qsgd": False,
     "sign": True,
     "topk": True,
@@ -347,6 +354,7 @@ NEEDS_FEEDBACK = {
     "int8-stochastic=True": False,
     "int4-stochastic=True": False,
     "int2-stochastic=True": False,
+    "ternary-stochastic=True": False,
     "int8-block=100": True,
     "qsgd-levels=1": False,
     "qsgd-levels=127-block=64": False,
@@ -483,7 +491,7 @@ def test_non_float_tensors_raise_type_error(name, dtype):
         get_compressor(name).compress(torch.ones(16, dtype=dtype))
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2", "qsgd", "sign"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "ternary", "qsgd", "sign"])
 @pytest.mark.parametrize("block", [0, -1, 2.5])
 def test_bad_block_raises(name, block):
     with pytest.raises(ValueError):
@@ -551,3 +559,27 @@ def test_decompress_bad_divisor_raises(divisor):
     payload = compressor.compress(seeded_randn(1000, seed=1))
     with pytest.raises(ValueError, match="divisor"):
         compressor.decompress(payload, divisor=divisor)
+
+
+@pytest.mark.parametrize("numel", [1, 4, 5, 6, 1023, 4097])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_ternary_sends_the_values_of_int2_in_fewer_bytes(numel, stochastic):
+    x = seeded_randn(numel, seed=numel)
+    ternary = get_compressor("ternary", stochastic=stochastic)
+    int2 = get_compressor("int2", stochastic=stochastic)
+    residuals = [seeded_randn(numel, seed=1) * 0.1 for _ in range(2)]
+    packed = ternary.compress(x, Context(residual=residuals[0], step=3))
+    reference = int2.compress(x, Context(residual=residuals[1], step=3))
+    assert torch.equal(ternary.decompress(packed), int2.decompress(reference))
+    assert torch.equal(residuals[0], residuals[1])
+    assert packed.tensors["codes"].numel() == math.ceil(numel / 5)
+
+
+def test_trits_round_trip_every_byte():
+    from gradcomp.ops.reference import pack_trits, unpack_trits
+
+    codes = torch.cartesian_prod(*[torch.arange(3)] * 5).flip(1).reshape(-1).to(torch.uint8)
+    packed = pack_trits(codes)
+    assert torch.equal(packed, torch.arange(243, dtype=torch.uint8))
+    assert torch.equal(unpack_trits(packed, codes.numel()), codes)
+    assert torch.equal(unpack_trits(pack_trits(codes[:7]), 7), codes[:7])

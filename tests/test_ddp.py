@@ -31,6 +31,7 @@ LOSS_BAND = {
     "int8": 0.05,
     "int4": 0.1,
     "int2": 0.45,
+    "ternary": 0.45,  # int2's values
     "qsgd": 0.3,
     "sign": 0.6,
     "topk": 0.4,

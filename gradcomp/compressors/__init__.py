@@ -3,7 +3,7 @@
 Example:
     >>> c = get_compressor("topk", ratio=0.01)
     >>> [name for name in COMPRESSORS]
-    ['none', 'fp16', 'bf16', 'int8', 'int4', 'int2', 'qsgd', 'sign', 'topk', 'randk', 'powersgd']
+    ['none', 'fp16', 'bf16', 'int8', 'int4', 'int2', 'ternary', 'qsgd', 'sign', 'topk', 'randk', 'powersgd']
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import inspect
 from gradcomp.compressors.base import Compressor, Context, mix_seed
 from gradcomp.compressors.cast import BF16, FP16, NoCompression
 from gradcomp.compressors.low_rank import PowerSGD
-from gradcomp.compressors.quantize import QSGD, BlockQuantizer, Int2, Int4, Int8
+from gradcomp.compressors.quantize import QSGD, BlockQuantizer, Int2, Int4, Int8, Ternary
 from gradcomp.compressors.sign import Sign
 from gradcomp.compressors.sparse import RandK, TopK
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls for cls in (NoCompression, FP16, BF16, Int8, Int4, Int2, QSGD, Sign, TopK, RandK, PowerSGD)
+    cls.name: cls
+    for cls in (NoCompression, FP16, BF16, Int8, Int4, Int2, Ternary, QSGD, Sign, TopK, RandK, PowerSGD)
 }
 
 
@@ -60,6 +61,7 @@ __all__ = [
     "PowerSGD",
     "RandK",
     "Sign",
+    "Ternary",
     "TopK",
     "get_compressor",
     "mix_seed",

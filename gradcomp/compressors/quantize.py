@@ -1,4 +1,4 @@
-"""Blockwise linear quantization (int8 / int4 / int2) and QSGD."""
+"""Blockwise linear quantization (int8 / int4 / int2 / ternary) and QSGD."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from gradcomp import ops
 from gradcomp.compressors.base import Compressor, Context, check_positive_int
+from gradcomp.ops import reference
 from gradcomp.payload import Layout, Payload
 
 
@@ -123,6 +124,41 @@ class Int2(BlockQuantizer):
 
     name = "int2"
     bits = 2
+
+
+class Ternary(BlockQuantizer):
+    """int2's three levels (-1, 0, 1 times the block's absmax) packed five a
+    byte in base 3: 1.6 bits a code instead of 2, the same values as ``int2``.
+
+    Example:
+        >>> c = gradcomp.get_compressor("ternary", block=512)
+        >>> c.compress(torch.randn(1000)).nbytes   # 200 code bytes + 2 scales
+        208
+    """
+
+    name = "ternary"
+    bits = 8  # quantized a code a byte, then packed five a byte
+
+    @property
+    def levels(self) -> int:
+        return 1
+
+    def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
+        return [
+            ("scales", torch.float32, math.ceil(numel / self.block)),
+            ("codes", torch.uint8, math.ceil(numel / reference.TRITS_PER_BYTE)),
+        ]
+
+    def _encode(self, flat: torch.Tensor, ctx: Context):
+        tensors, meta = super()._encode(flat, ctx)
+        return {**tensors, "codes": reference.pack_trits(tensors["codes"])}, meta
+
+    def _rows_fit(self, chunk: int) -> bool:
+        return False  # the row ops pack bits, not trits: one payload a row
+
+    def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+        codes = reference.unpack_trits(payload.tensors["codes"], payload.numel)
+        return super()._decode(payload.with_tensors({**payload.tensors, "codes": codes}), out, accumulate)
 
 
 class QSGD(BlockQuantizer):
