@@ -583,3 +583,34 @@ def test_trits_round_trip_every_byte():
     assert torch.equal(packed, torch.arange(243, dtype=torch.uint8))
     assert torch.equal(unpack_trits(packed, codes.numel()), codes)
     assert torch.equal(unpack_trits(pack_trits(codes[:7]), 7), codes[:7])
+
+
+@pytest.mark.parametrize("numel", [5 * 256, 4 * 256 + 77])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_ternary_row_ops_match_one_payload_a_row(numel, stochastic):
+    """All rows at once (the kernels do not grow with the number of rows) give
+    the bytes of compressing each row on its own (with stochastic rounding:
+    another random stream), and decode as each row's payload does."""
+    from gradcomp.compressors import Compressor
+
+    ternary = get_compressor("ternary", stochastic=stochastic)
+    chunk, count = 512, math.ceil(numel / 512)
+    x = seeded_randn(numel, seed=numel)
+    width = buffer_size(ternary.payload_layout(chunk, torch.float32, {})) + ALIGN
+    rows = [torch.full((count, width), 7, dtype=torch.uint8) for _ in range(2)]
+    residuals = [seeded_randn(numel, seed=2) * 0.1 for _ in range(2)]
+    y = x + residuals[0]
+    ternary.compress_rows(x, chunk, rows[0], Context(residuals[0], 3, 11))
+    Compressor.compress_rows(ternary, x, chunk, rows[1], Context(residuals[1], 3, 11))
+    if not stochastic:
+        used = buffer_size(ternary.payload_layout(chunk, torch.float32, {}))
+        assert torch.equal(rows[0][:, :used], rows[1][:, :used]) and torch.equal(residuals[0], residuals[1])
+    decoded = [torch.zeros(numel) for _ in range(2)]
+    ternary.decompress_rows(rows[0], torch.float32, chunk, decoded[0])
+    Compressor.decompress_rows(ternary, rows[0], torch.float32, chunk, decoded[1])
+    assert torch.equal(decoded[0], decoded[1])
+    assert_conserved(decoded[0], residuals[0], y, exact=False)
+    sums = [torch.zeros(chunk) for _ in range(2)]
+    ternary.decompress_sum(rows[0][:2], torch.float32, sums[0], divisor=2)
+    Compressor.decompress_sum(ternary, rows[0][:2], torch.float32, sums[1], divisor=2)
+    torch.testing.assert_close(sums[0], sums[1], rtol=0, atol=1e-6)

@@ -44,6 +44,7 @@ CASES = [
     ("int8", "two_phase"),
     ("int4", "two_phase"),
     ("int2", "two_phase"),
+    ("ternary", "two_phase"),
     ("qsgd", "two_phase"),
     ("sign", "two_phase"),
     ("int8", "allgather"),

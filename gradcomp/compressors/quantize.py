@@ -9,7 +9,7 @@ import torch
 from gradcomp import ops
 from gradcomp.compressors.base import Compressor, Context, check_positive_int
 from gradcomp.ops import reference
-from gradcomp.payload import Layout, Payload
+from gradcomp.payload import Layout, Payload, buffer_size, row_views
 
 
 class BlockQuantizer(Compressor):
@@ -153,12 +153,68 @@ class Ternary(BlockQuantizer):
         tensors, meta = super()._encode(flat, ctx)
         return {**tensors, "codes": reference.pack_trits(tensors["codes"])}, meta
 
-    def _rows_fit(self, chunk: int) -> bool:
-        return False  # the row ops pack bits, not trits: one payload a row
-
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         codes = reference.unpack_trits(payload.tensors["codes"], payload.numel)
         return super()._decode(payload.with_tensors({**payload.tensors, "codes": codes}), out, accumulate)
+
+    # Rows: int8's row ops on rows of a code a byte, packed (or unpacked) all
+    # full rows at once and a short last row apart (it has a layout of its
+    # own): the kernels per call do not grow with the number of rows.
+    def _wide_size(self, numel: int, dtype: torch.dtype) -> int:
+        return buffer_size(BlockQuantizer.payload_layout(self, numel, dtype, {}))
+
+    def _convert(self, wide: torch.Tensor, packed: torch.Tensor, numel: int, dtype, pack: bool) -> None:
+        """Rows of payloads of ``numel`` elements: ``wide`` (a code a byte) to
+        ``packed`` (five a byte) if ``pack``, else back."""
+        packed_layout = self.payload_layout(numel, dtype, {})
+        wide_views = row_views(wide, BlockQuantizer.payload_layout(self, numel, dtype, {}))
+        packed_views = row_views(packed, packed_layout)
+        if pack:
+            packed_views["scales"].copy_(wide_views["scales"])
+            packed_views["codes"].copy_(reference.pack_trits(wide_views["codes"]))
+            raw = sum(count * item.itemsize for _, item, count in packed_layout)
+            packed[:, raw : buffer_size(packed_layout)].zero_()  # as Payload.to_buffer pads
+        else:
+            wide_views["scales"].copy_(packed_views["scales"])
+            wide_views["codes"].copy_(reference.unpack_trits(packed_views["codes"], numel))
+
+    @staticmethod
+    def _row_groups(total: int, chunk: int) -> list[tuple[slice, int]]:
+        """``(rows, numel)``: the full rows, then the short last one."""
+        full, rest = divmod(total, chunk)
+        groups = [(slice(0, full), chunk)] if full else []
+        return groups + ([(slice(full, full + 1), rest)] if rest else [])
+
+    @torch.no_grad()
+    def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
+        if not self._rows_fit(chunk):
+            return Compressor.compress_rows(self, flat, chunk, rows, ctx)
+        wide = torch.empty(
+            rows.shape[0], self._wide_size(chunk, flat.dtype), dtype=torch.uint8, device=rows.device
+        )
+        super().compress_rows(flat, chunk, wide, ctx)
+        for which, numel in self._row_groups(flat.numel(), chunk):
+            self._convert(wide[which], rows[which], numel, flat.dtype, pack=True)
+
+    @torch.no_grad()
+    def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
+        if not self._rows_fit(chunk):
+            return Compressor.decompress_rows(self, rows, dtype, chunk, out)
+        wide = torch.empty(
+            rows.shape[0], self._wide_size(chunk, dtype), dtype=torch.uint8, device=rows.device
+        )
+        for which, numel in self._row_groups(out.numel(), chunk):
+            self._convert(wide[which], rows[which], numel, dtype, pack=False)
+        super().decompress_rows(wide, dtype, chunk, out)
+
+    @torch.no_grad()
+    def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
+        numel = out.numel()
+        wide = torch.empty(
+            rows.shape[0], self._wide_size(numel, dtype), dtype=torch.uint8, device=rows.device
+        )
+        self._convert(wide, rows, numel, dtype, pack=False)
+        super().decompress_sum(wide, dtype, out, meta=meta, divisor=divisor)
 
 
 class QSGD(BlockQuantizer):

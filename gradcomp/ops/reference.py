@@ -128,27 +128,28 @@ TRITS_PER_BYTE = 5
 
 
 def pack_trits(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..2 (uint8), five a byte in base 3, the first code lowest:
-    ``ceil(numel / 5)`` bytes (1.6 bits a code where 2-bit packing takes 2)."""
-    codes = codes.reshape(-1)
-    groups = -(-codes.numel() // TRITS_PER_BYTE)
-    padded = torch.zeros(groups * TRITS_PER_BYTE, dtype=torch.uint8, device=codes.device)
-    padded[: codes.numel()] = codes
-    digits = padded.view(groups, TRITS_PER_BYTE)
-    packed = digits[:, -1].clone()
+    """Codes 0..2 (uint8) along the last dimension, five a byte in base 3,
+    the first code lowest: ``ceil(n / 5)`` bytes for ``n`` codes (1.6 bits a
+    code where 2-bit packing takes 2). 1-D, or 2-D (a row at a time)."""
+    count = codes.shape[-1]
+    groups = -(-count // TRITS_PER_BYTE)
+    padded = codes.new_zeros(*codes.shape[:-1], groups * TRITS_PER_BYTE)
+    padded[..., :count] = codes
+    digits = padded.view(*codes.shape[:-1], groups, TRITS_PER_BYTE)
+    packed = digits[..., -1].clone()
     for position in range(TRITS_PER_BYTE - 2, -1, -1):  # Horner: no constant tensor on the device
-        packed.mul_(3).add_(digits[:, position])
+        packed.mul_(3).add_(digits[..., position])
     return packed
 
 
-def unpack_trits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_trits`: the first ``numel`` codes as uint8."""
-    rest = packed.reshape(-1).clone()
-    digits = torch.empty(rest.numel(), TRITS_PER_BYTE, dtype=torch.uint8, device=rest.device)
+def unpack_trits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_trits`: the first ``count`` codes (of each row) as uint8."""
+    rest = packed.clone()
+    digits = packed.new_empty(*packed.shape, TRITS_PER_BYTE)
     for position in range(TRITS_PER_BYTE):
-        digits[:, position] = rest % 3
+        digits[..., position] = rest % 3
         rest.div_(3, rounding_mode="floor")
-    return digits.view(-1)[:numel]
+    return digits.view(*packed.shape[:-1], -1)[..., :count]
 
 
 # ----------------------------------------------------------------------------- quantization
