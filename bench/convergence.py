@@ -25,6 +25,9 @@ goes to a PNG.
 hook's ``warmup_steps``, as PowerSGD's ``start_powerSGD_iter`` does); its
 bytes per step then average over the dense and the compressed steps.
 
+``--task vision`` trains a small CNN on the same digits, as 8x8 images,
+with the same settings and runs.
+
 ``--task lm`` asks the same of a transformer trained with AdamW, where the
 aggressive compressors fall apart: a GPT-style byte-level decoder on
 Python's standard library sources (:mod:`lm`), final validation loss against
@@ -88,9 +91,10 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument(
         "--task",
-        choices=("mlp", "lm"),
+        choices=("mlp", "vision", "lm"),
         default="mlp",
-        help="mlp: an MLP on digits with SGD; lm: a byte-level transformer with AdamW (default mlp)",
+        help="mlp: an MLP on digits with SGD; vision: a small CNN on the same 8x8 digit images; "
+        "lm: a byte-level transformer with AdamW (default mlp)",
     )
     top.add_argument(
         "--compressors",
@@ -117,7 +121,9 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--batch-size", type=int, default=64, help="global batch, split across ranks (default 64)"
     )
-    top.add_argument("--width", type=int, default=256, help="mlp: hidden units per layer (default 256)")
+    top.add_argument(
+        "--width", type=int, default=None, help="mlp: hidden units per layer (256); vision: channels (16)"
+    )
     top.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (default: mlp SGD 0.01, lm AdamW 3e-3)"
     )
@@ -149,7 +155,11 @@ def plan(specs: list[str]) -> list[dict]:
 def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, progress, done: int) -> dict:
     """Train one run on every rank; rank 0's record (losses after each epoch included)."""
     x, y = data["x_train"], data["y_train"]
-    net = make_mlp(x.shape[1], settings["width"], int(y.max()) + 1, settings["seed"])
+    classes = int(y.max()) + 1
+    if settings["task"] == "vision":
+        net = make_cnn(settings["width"], classes, settings["seed"])
+    else:
+        net = make_mlp(x.shape[1], settings["width"], classes, settings["seed"])
     model = DistributedDataParallel(net)
     state = None
     if run["name"] is not None:
@@ -297,11 +307,34 @@ def plot(records: list[dict], title: str, path: str) -> None:
     plt.close(figure)
 
 
+def make_cnn(channels: int, classes: int, seed: int) -> torch.nn.Module:
+    """Two 3x3 convolutions (``channels``, then twice as many), a 2x2 max-pool and
+    a linear layer, on the 8x8 digit images; initialised from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Unflatten(1, (1, 8, 8)),
+            torch.nn.Conv2d(1, channels, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(2 * channels * 16, classes),
+        )
+
+
 def describe(settings: dict, records: list[dict]) -> str:
     steps = settings["dense_steps"]
     dense = f", compressed runs dense for their first {steps} steps" if steps else ""
+    width = settings["width"]
+    model = (
+        f"MLP 64-{width}-{width}-10"
+        if settings["task"] == "mlp"
+        else f"CNN conv{width}-conv{2 * width}-pool-10"
+    )
     return (
-        f"MLP 64-{settings['width']}-{settings['width']}-10, digits 1347 train / 450 test, "
+        f"{model}, digits 1347 train / 450 test, "
         f"{settings['epochs']} epochs = {records[0]['steps']} steps, global batch {settings['batch_size']}, "
         f"SGD lr {settings['lr']} (cosine to 0) momentum {settings['momentum']} "
         f"weight decay {settings['weight_decay']}, "
@@ -315,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     args.compressors = common.split_list(args.compressors or list(default))
     if args.lr is None:
         args.lr = 3e-3 if args.task == "lm" else 0.01
+    if args.width is None:
+        args.width = 16 if args.task == "vision" else 256
     if args.task == "lm":
         return main_lm(args)
     try:
@@ -328,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.momentum < 1:
         parser().error("need 0 <= --momentum < 1")
     settings = vars(args)
-    results = common.Results("convergence", common.machine(args.spawn, "gloo"), settings, args.out)
+    benchmark = "convergence" if args.task == "mlp" else f"convergence-{args.task}"
+    results = common.Results(benchmark, common.machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
     # Every run in one spawn: allow a second an epoch a run a rank (a 2-core
     # machine takes about a third of that), and never less than ten minutes.
@@ -341,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     derive(records)
     print(describe(settings, records))
     print(format_report(records))
-    write(results, records, plot, "convergence")
+    write(results, records, plot, benchmark)
     return 0
 
 

@@ -240,6 +240,17 @@ def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
 
 
 @pytest.mark.slow
+def test_convergence_vision_task_trains_a_cnn(tmp_path):
+    args = ["--task", "vision", "--epochs", "1", "--width", "4", "--compressors", "powersgd"]
+    result = run_script("convergence.py", *args, "--out", str(tmp_path))
+    assert "CNN conv4-conv8-pool-10" in result.stdout
+    rows, _ = read_results(tmp_path, stem("convergence-vision"))
+    assert [r["run"] for r in rows] == ["dense", "powersgd (feedback)", "powersgd (no feedback)"]
+    # The 10 x 128 layer is factorised at rank 4; the convolutions (too small to pay) and biases are not.
+    assert 1 < float(rows[1]["ratio"]) < 4 and float(rows[1]["test_accuracy"]) > 0
+
+
+@pytest.mark.slow
 def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
     args = ["--task", "lm", "--steps", "4", "--corpus-bytes", "40000", "--dense-steps", "2"]
     result = run_script("convergence.py", *args, "--compressors", "powersgd", "int8", "--out", str(tmp_path))
