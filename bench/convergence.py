@@ -430,7 +430,10 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     scheduler = lm.schedule(optimizer, steps, warmup)
     order = torch.Generator().manual_seed(settings["seed"])
     context, batch = LM_MODEL["context"], LM_BATCH
-    evaluate = lambda: lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, batch)  # noqa: E731
+
+    def evaluate() -> float:
+        return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, batch)
+
     curve, step_seconds = [(0, evaluate())], []
     for step in range(steps):
         starts = torch.randint(0, len(train_data) - context - 1, (batch,), generator=order)
