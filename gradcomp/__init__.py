@@ -8,7 +8,7 @@ Example:
     >>> gradcomp.ddp.register(ddp_model, "topk", ratio=0.01)
 """
 
-from gradcomp import collectives, ddp, ops, profiling, spawn
+from gradcomp import collectives, ddp, ops, optim, profiling, spawn
 from gradcomp.collectives import all_reduce
 from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
 from gradcomp.feedback import ErrorFeedback
@@ -27,6 +27,7 @@ __all__ = [
     "ddp",
     "get_compressor",
     "ops",
+    "optim",
     "profiling",
     "spawn",
 ]

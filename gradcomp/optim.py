@@ -1,0 +1,341 @@
+"""Adam that owns its communication: compressed momentum after a dense start.
+
+After a warm-up, Adam's second moment changes slowly; freezing it makes the
+update linear in the momentum, so each rank can fold its own gradient into
+the shared momentum and the ranks exchange that momentum compressed, with
+error feedback, instead of the gradient (the observation behind 1-bit Adam).
+
+:class:`CompressedAdam` runs in two phases, the same on every rank:
+
+* **warm-up** (steps ``1 .. warmup_steps``): the gradients are averaged
+  (densely, or through ``gradient_compressor``) and the update is AdamW's,
+  operation for operation;
+* **compressed** (later steps): each rank forms ``m_i = b1 m + (1 - b1) g_i``
+  from the shared momentum ``m`` and its own gradient, the ranks average
+  the ``m_i`` through ``compressor`` (error feedback keeps what it dropped
+  on each rank), and the update divides the average by the second moment
+  frozen at the end of the warm-up.
+
+A parameter group with ``compressor=None`` never freezes: its gradients are
+averaged at every step and it stays AdamW (keep embeddings and norms exact
+this way).
+
+Gradients are the ranks' own: call ``backward`` without DDP's all-reduce
+(no DDP, or inside ``no_sync()``) and let ``step()`` communicate. Clip or
+scale gradients with that in mind: before ``step()`` they are not averaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import all_reduce, key_of, settings_key
+from gradcomp.compressors import Compressor, NoCompression, get_compressor
+from gradcomp.feedback import ErrorFeedback
+
+__all__ = ["CompressedAdam"]
+
+_DENSE = NoCompression()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Bucket:
+    """Parameters of one group, device and dtype, exchanged as one flat tensor."""
+
+    index: int
+    group: int
+    params: tuple[torch.Tensor, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def _compressor(spec) -> Compressor | None:
+    return None if spec is None else get_compressor(spec)
+
+
+class CompressedAdam(torch.optim.Optimizer):
+    """AdamW whose ranks exchange compressed momentum once the second moment is frozen.
+
+    Args:
+        params: parameters or parameter groups (a group may set any of
+            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``compressor``,
+            ``gradient_compressor``).
+        lr, betas, eps, weight_decay: AdamW's (weight decay decoupled).
+        compressor: how the momentum is exchanged after the warm-up (a name
+            or a :class:`~gradcomp.Compressor`); ``None`` keeps the group
+            AdamW throughout, its gradients averaged at every step.
+        gradient_compressor: how gradients are exchanged while they are (the
+            warm-up, and every step of a ``compressor=None`` group); default
+            ``None``, dense.
+        warmup_steps: steps of AdamW before the second moment is frozen.
+        group: process group (default WORLD).
+        algorithm: the compressed all-reduce's algorithm (default from the
+            compressor and the group's size).
+        bucket_mb: parameters are exchanged in flat buckets of about this size.
+        broadcast: copy rank 0's parameters to every rank at construction
+            (as DDP does), so replicas start identical.
+
+    Example:
+        >>> opt = gradcomp.optim.CompressedAdam(model.parameters(), lr=3e-4, compressor="sign",
+        ...                                     warmup_steps=100)
+        >>> loss_fn(model(x), y).backward()      # no DDP all-reduce: step() communicates
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.last_bytes_sent                   # this rank's bytes in the last step
+
+    The state (moments, step, this rank's error-feedback residuals) is in
+    ``state_dict()``; each rank saves and loads its own, and a resumed run
+    continues bit for bit.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        compressor: str | Compressor | None = "sign",
+        gradient_compressor: str | Compressor | None = None,
+        warmup_steps: int = 100,
+        group: dist.ProcessGroup | None = None,
+        algorithm: str | None = None,
+        bucket_mb: float = 25.0,
+        broadcast: bool = True,
+    ):
+        if not 0.0 <= lr:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "CompressedAdam exchanges gradients: call torch.distributed.init_process_group first"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            compressor=_compressor(compressor),
+            gradient_compressor=_compressor(gradient_compressor),
+        )
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            g["compressor"] = _compressor(g["compressor"])
+            g["gradient_compressor"] = _compressor(g["gradient_compressor"])
+            for p in g["params"]:
+                if not p.dtype.is_floating_point:
+                    raise TypeError(f"CompressedAdam needs floating parameters, got {p.dtype}")
+        if warmup_steps == 0 and any(g["compressor"] is not None for g in self.param_groups):
+            raise ValueError(
+                "warmup_steps must be >= 1 when a group has a compressor: it freezes the second moment"
+            )
+        self.warmup_steps = warmup_steps
+        self.process_group = group
+        self.algorithm = algorithm
+        self.feedback = ErrorFeedback()
+        self.steps_done = 0
+        self.last_bytes_sent = 0
+        self._buckets = self._make_buckets(int(bucket_mb * 2**20))
+        self._agreed = False
+        if broadcast:
+            self._broadcast()
+
+    # ------------------------------------------------------------------ layout
+
+    def _make_buckets(self, cap: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        for gi, g in enumerate(self.param_groups):
+            by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
+            for p in g["params"]:
+                runs = by_kind.setdefault((p.device, p.dtype), [[]])
+                size = sum(q.numel() * q.element_size() for q in runs[-1])
+                if runs[-1] and size + p.numel() * p.element_size() > cap:
+                    runs.append([])
+                runs[-1].append(p)
+            for runs in by_kind.values():
+                for run in runs:
+                    if run:
+                        buckets.append(_Bucket(len(buckets), gi, tuple(run)))
+        return buckets
+
+    @torch.no_grad()
+    def _broadcast(self) -> None:
+        source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        for bucket in self._buckets:
+            flat = torch.cat([p.reshape(-1) for p in bucket.params])
+            dist.broadcast(flat, source, group=self.process_group)
+            torch._foreach_copy_(list(bucket.params), self._views(flat, bucket))
+
+    @staticmethod
+    def _views(flat: torch.Tensor, bucket: _Bucket) -> list[torch.Tensor]:
+        return [
+            part.view_as(p)
+            for part, p in zip(flat.split([p.numel() for p in bucket.params]), bucket.params, strict=True)
+        ]
+
+    @staticmethod
+    def _grads(bucket: _Bucket) -> list[torch.Tensor]:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:  # every rank exchanges every bucket: a missing gradient is zero
+                grads.append(torch.zeros_like(p))
+            elif p.grad.is_sparse:
+                raise RuntimeError("CompressedAdam does not take sparse gradients")
+            else:
+                grads.append(p.grad)
+        return grads
+
+    def _moments(self, bucket: _Bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        averages, squares = [], []
+        for p in bucket.params:
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            averages.append(state["exp_avg"])
+            squares.append(state["exp_avg_sq"])
+        return averages, squares
+
+    # ------------------------------------------------------------------ step
+
+    def frozen(self, group_index: int, step: int | None = None) -> bool:
+        """Whether parameter group ``group_index`` exchanges momentum at ``step`` (default: the next)."""
+        step = self.steps_done + 1 if step is None else step
+        return self.param_groups[group_index]["compressor"] is not None and step > self.warmup_steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Exchange and update; every rank must call it at every step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._agreed:
+            self._check_agreement()
+        step = self.steps_done + 1
+        pending = []
+        for bucket in self._buckets:
+            g = self.param_groups[bucket.group]
+            averages, _ = self._moments(bucket)
+            if self.frozen(bucket.group, step):
+                beta1 = g["betas"][0]
+                torch._foreach_lerp_(averages, self._grads(bucket), 1 - beta1)
+                flat = torch.cat([m.reshape(-1) for m in averages])
+                leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
+                if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
+                    flat.add_(leftover.to(flat.dtype), alpha=1 - beta1)
+                compressor, key = g["compressor"], ("momentum", bucket.index)
+            else:
+                flat = torch.cat([x.reshape(-1) for x in self._grads(bucket)])
+                compressor, key = g["gradient_compressor"] or _DENSE, ("gradient", bucket.index)
+            work = all_reduce(
+                flat,
+                compressor,
+                self.process_group,
+                async_op=True,
+                algorithm=self.algorithm if compressor is not _DENSE else None,
+                feedback=self.feedback,
+                name=key,
+                step=step,
+            )
+            pending.append((bucket, flat, work))
+        sent = 0
+        for bucket, flat, work in pending:
+            sent += work.get_future().wait().bytes_sent
+            self._update(bucket, flat, step)
+        self.steps_done = step
+        self.last_bytes_sent = sent
+        return loss
+
+    def _check_agreement(self) -> None:
+        """Raise on every rank if ranks differ in settings or step: they would switch
+        phases at different steps, and their collectives would not match."""
+        described = (
+            self.steps_done,
+            self.warmup_steps,
+            self.algorithm,
+            [b.numel for b in self._buckets],
+            [
+                tuple(
+                    None if g[k] is None else settings_key(g[k])
+                    for k in ("compressor", "gradient_compressor")
+                )
+                for g in self.param_groups
+            ],
+        )
+        everyone = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(everyone, described, group=self.process_group)
+        if any(d != described for d in everyone):
+            lines = "\n".join(
+                f"  rank {r}: step {d[0]}, warmup_steps {d[1]}, algorithm {d[2]}, bucket sizes {d[3]}, "
+                f"(compressor, gradient_compressor) per group {d[4]}"
+                for r, d in enumerate(everyone)
+            )
+            raise ValueError(f"ranks disagree on the CompressedAdam settings:\n{lines}")
+        self._agreed = True
+
+    def _update(self, bucket: _Bucket, flat: torch.Tensor, step: int) -> None:
+        g = self.param_groups[bucket.group]
+        lr, (beta1, beta2), eps, decay = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        params = list(bucket.params)
+        averages, squares = self._moments(bucket)
+        exchanged = self._views(flat, bucket)
+        if self.frozen(bucket.group, step):
+            torch._foreach_copy_(averages, exchanged)
+            second_step = self.warmup_steps
+        else:
+            torch._foreach_lerp_(averages, exchanged, 1 - beta1)
+            torch._foreach_mul_(squares, beta2)
+            torch._foreach_addcmul_(squares, exchanged, exchanged, 1 - beta2)
+            second_step = step
+        if decay != 0:
+            torch._foreach_mul_(params, 1 - lr * decay)
+        step_size = lr / (1 - beta1**step)
+        denominators = torch._foreach_sqrt(squares)
+        if second_step > 0:
+            torch._foreach_div_(denominators, math.sqrt(1 - beta2**second_step))
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_addcdiv_(params, averages, denominators, -step_size)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["gradcomp"] = dict(
+            steps_done=self.steps_done,
+            warmup_steps=self.warmup_steps,
+            buckets=[b.numel for b in self._buckets],
+            feedback=self.feedback.state_dict(),
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get("gradcomp")
+        if extra is None:
+            raise ValueError("not a CompressedAdam state (no 'gradcomp' entry)")
+        buckets = [b.numel for b in self._buckets]
+        if extra["buckets"] != buckets:
+            raise ValueError(
+                f"saved buckets of {extra['buckets']} elements differ from this optimizer's {buckets}: "
+                "the parameters or bucket_mb changed"
+            )
+        if extra["warmup_steps"] != self.warmup_steps:
+            raise ValueError(f"saved warmup_steps {extra['warmup_steps']} differs from {self.warmup_steps}")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradcomp"})
+        self.steps_done = extra["steps_done"]
+        self._agreed = False
+        self.feedback.load_state_dict(extra["feedback"])
