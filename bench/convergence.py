@@ -38,11 +38,15 @@ collectives, issued from Future callbacks, abort on a model of several
 buckets; gradcomp's runs keep DDP's buckets. Bytes per step are counted over
 the whole run, dense steps included; torch PowerSGD's from the model's
 shapes by the same rule as gradcomp's ``powersgd`` (its hook counts none).
+``--adam`` adds runs of ``gradcomp.optim.CompressedAdam`` (AdamW for a
+warm-up, then each rank's momentum exchanged compressed with the second
+moment frozen), without DDP: the optimizer does the exchange.
 
 Examples:
     python bench/convergence.py
     python bench/convergence.py --task lm
     python bench/convergence.py --task lm --compressors powersgd:rank=2 --dense-steps 60
+    python bench/convergence.py --task lm --compressors --baselines --adam sign:warmup=60 ternary:gradient=ternary
     python bench/convergence.py --compressors randk --dense-steps 420
     python bench/convergence.py --epochs 20 --compressors int8 topk:ratio=0.1
 """
@@ -78,6 +82,11 @@ LM_BATCH, LM_EVAL_EVERY, LM_EVAL_BATCHES = 32, 50, 8
 # Gradient-compression runs of --task lm whose final validation loss is to be
 # within a bound of dense's (issue targets); other runs are reported only.
 LM_TARGETS = {"int8": 0.01, "int4": 0.02, "powersgd": 0.03}
+# CompressedAdam runs: steps of AdamW before the second moment freezes (twice
+# the learning rate's 30-step warm-up of the default 600 steps), unless a run says.
+LM_ADAM_WARMUP = 60
+ADAM_OPTIONS = ("warmup", "gradient", "exact")
+EXACT = ("vectors", "embeddings")
 ONE_BUCKET_MB = 4096.0
 # Runs whose final loss should be within TOLERANCE of dense's (the project's targets).
 TARGETS = ("int8 (feedback)", "topk (feedback)", "randk (feedback)")
@@ -98,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument(
         "--compressors",
-        nargs="+",
+        nargs="*",
         default=None,
         metavar="NAME[:k=v,...]",
         help=f"compressors; mlp runs each with and without error feedback (default: "
@@ -110,6 +119,15 @@ def parser() -> argparse.ArgumentParser:
         default=list(LM_BASELINES),
         choices=LM_BASELINES,
         help="lm: torch hooks to run beside gradcomp's (default: both)",
+    )
+    top.add_argument(
+        "--adam",
+        nargs="*",
+        default=[],
+        metavar="NAME[:k=v,...]",
+        help="lm: CompressedAdam runs exchanging momentum through NAME (its options, and warmup=N "
+        f"AdamW steps first (default {LM_ADAM_WARMUP}), gradient=NAME for the warm-up's gradients (default "
+        "dense), exact=vectors|embeddings for AdamW on biases and norms (and the embeddings))",
     )
     top.add_argument(
         "--epochs", type=int, default=150, help="mlp: passes over the training set (default 150)"
@@ -345,7 +363,10 @@ def describe(settings: dict, records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     default = LM_COMPRESSORS if args.task == "lm" else DEFAULT_COMPRESSORS
-    args.compressors = common.split_list(args.compressors or list(default))
+    args.compressors = common.split_list(list(default) if args.compressors is None else args.compressors)
+    args.adam = common.split_list(args.adam)
+    if args.adam and args.task != "lm":
+        parser().error("--adam is for --task lm")
     if args.lr is None:
         args.lr = 3e-3 if args.task == "lm" else 0.01
     if args.width is None:
@@ -396,14 +417,56 @@ def write(results: common.Results, records: list[dict], draw, title: str, extra:
 # ----------------------------------------------------------------------------- --task lm
 
 
-def lm_runs(specs: list[str], baselines: list[str]) -> list[dict]:
-    """Dense, then torch's hooks, then every compressor (its default error feedback)."""
+def lm_runs(specs: list[str], baselines: list[str], adam: list[str] = ()) -> list[dict]:
+    """Dense, then torch's hooks, then every compressor (its default error
+    feedback), then the CompressedAdam runs."""
     runs = [dict(label="dense", kind="dense", name=None, options={})]
     runs += [dict(label=LM_LABELS[b], kind=b, name=None, options={}) for b in baselines]
     for spec in specs:
         label, name, options = common.parse_compressor(spec)
         runs.append(dict(label=label, kind="gradcomp", name=name, options=options))
-    return runs
+    return runs + [parse_adam(spec) for spec in adam]
+
+
+def parse_adam(spec: str) -> dict:
+    """``"sign:warmup=60,block=512"`` -> a CompressedAdam run (its options apart from the compressor's)."""
+    name, _, rest = spec.strip().partition(":")
+    settings, kept = dict(warmup=LM_ADAM_WARMUP, gradient=None, exact=None), []
+    for item in filter(None, rest.split(",")):
+        key = item.partition("=")[0].strip()
+        if key in ADAM_OPTIONS:
+            settings[key] = item.partition("=")[2].strip()
+        else:
+            kept.append(item)
+    try:
+        settings["warmup"] = int(settings["warmup"])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"warmup must be an integer (in {spec!r})") from None
+    if settings["exact"] not in (None, *EXACT):
+        raise argparse.ArgumentTypeError(f"exact must be one of {EXACT} (in {spec!r})")
+    if settings["gradient"] is not None:
+        common.parse_compressor(settings["gradient"])
+    _, name, options = common.parse_compressor(":".join([name, ",".join(kept)]))
+    label = f"CompressedAdam {spec.strip()}"
+    if ":" not in spec:
+        label += f" (warm-up {settings['warmup']})"
+    return dict(label=label, kind="adam", name=name, options=options, adam=settings)
+
+
+def adam_groups(net: torch.nn.Module, exact: str | None) -> list[dict]:
+    """One compressed group, and with ``exact`` one AdamW group of the vectors (and the embeddings)."""
+    if exact is None:
+        return [dict(params=list(net.parameters()))]
+    embeddings = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Embedding)}
+
+    def is_exact(p: torch.Tensor) -> bool:
+        return p.dim() < 2 or (exact == "embeddings" and id(p) in embeddings)
+
+    params = list(net.parameters())
+    return [
+        dict(params=[p for p in params if not is_exact(p)]),
+        dict(params=[p for p in params if is_exact(p)], compressor=None),
+    ]
 
 
 def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
@@ -411,9 +474,21 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"])
     net = lm.GPT(**LM_MODEL, seed=settings["seed"])
     one_bucket = run["kind"] == "powersgd_hook"
-    model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
+    adam = run["kind"] == "adam"
+    model = net if adam else DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
     steps, dense_steps = settings["steps"], settings["dense_steps"]
     state = None
+    hyper = dict(lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+    if adam:  # the optimizer averages: no DDP
+        optimizer = gradcomp.optim.CompressedAdam(
+            adam_groups(net, run["adam"]["exact"]),
+            compressor=gradcomp.get_compressor(run["name"], **run["options"]),
+            gradient_compressor=run["adam"]["gradient"],
+            warmup_steps=run["adam"]["warmup"],
+            **hyper,
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **hyper)
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif one_bucket:
@@ -425,7 +500,6 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         state = gradcomp.ddp.register(
             model, run["name"], warmup_steps=dense_steps, min_numel=0, measure_error=False, **run["options"]
         )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     scheduler = lm.schedule(optimizer, steps, warmup)
     order = torch.Generator().manual_seed(settings["seed"])
@@ -434,7 +508,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     def evaluate() -> float:
         return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, batch)
 
-    curve, step_seconds = [(0, evaluate())], []
+    curve, step_seconds, adam_bytes = [(0, evaluate())], [], []
     for step in range(steps):
         starts = torch.randint(0, len(train_data) - context - 1, (batch,), generator=order)
         began = time.perf_counter()
@@ -443,6 +517,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         optimizer.step()
         scheduler.step()
         step_seconds.append(time.perf_counter() - began)
+        if adam:
+            adam_bytes.append(optimizer.last_bytes_sent)
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
     shapes = [tuple(p.shape) for p in net.parameters()]
@@ -450,6 +526,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
+    elif adam:
+        sent = statistics.mean(adam_bytes)
     elif run["kind"] == "fp16_hook":
         sent = dense_bytes / 2
     elif one_bucket:
@@ -462,6 +540,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         kind=run["kind"],
         compressor=run["name"] or "",
         options=run["options"],
+        adam=run.get("adam"),
         steps=steps,
         parameters=numel,
         bytes_per_step=sent,
@@ -477,7 +556,7 @@ def lm_derive(records: list[dict]) -> None:
     for record in records:
         loss = record["validation_loss"]
         record["loss_vs_dense"] = (loss - dense) / dense if loss is not None else math.nan
-        bound = LM_TARGETS.get(record["compressor"]) if not record["options"] else None
+        bound = None if record["options"] or record["kind"] == "adam" else LM_TARGETS.get(record["compressor"])
         record["target"] = "" if bound is None else lm_target(record["loss_vs_dense"], bound)
 
 
@@ -515,6 +594,8 @@ def lm_plot(records: list[dict], title: str, path: str) -> None:
         style = dict(color="black", linewidth=2.5) if record["kind"] == "dense" else {}
         if record["kind"].endswith("hook"):
             style["linestyle"] = "--"
+        elif record["kind"] == "adam":
+            style["linestyle"] = ":"
         axis.plot(steps, losses, label=f"{record['run']} ({record['ratio']:.1f}x)", **style)
     axis.set_xlabel("step")
     axis.set_ylabel("validation cross-entropy (nats per byte)")
@@ -543,7 +624,7 @@ def lm_describe(settings: dict, corpus: dict, parameters: int) -> str:
 
 def main_lm(args: argparse.Namespace) -> int:
     try:
-        runs = lm_runs(args.compressors, args.baselines)
+        runs = lm_runs(args.compressors, args.baselines, args.adam)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
     if args.steps < 1 or args.spawn < 2 or LM_BATCH % args.spawn:
