@@ -46,7 +46,7 @@ Examples:
     python bench/convergence.py
     python bench/convergence.py --task lm
     python bench/convergence.py --task lm --compressors powersgd:rank=2 --dense-steps 60
-    python bench/convergence.py --task lm --compressors --baselines --adam sign:warmup=60 ternary:gradient=ternary
+    python bench/convergence.py --task lm --compressors --baselines --adam sign:warmup=60 int4
     python bench/convergence.py --compressors randk --dense-steps 420
     python bench/convergence.py --epochs 20 --compressors int8 topk:ratio=0.1
 """
@@ -556,7 +556,8 @@ def lm_derive(records: list[dict]) -> None:
     for record in records:
         loss = record["validation_loss"]
         record["loss_vs_dense"] = (loss - dense) / dense if loss is not None else math.nan
-        bound = None if record["options"] or record["kind"] == "adam" else LM_TARGETS.get(record["compressor"])
+        plain = not record["options"] and record["kind"] != "adam"
+        bound = LM_TARGETS.get(record["compressor"]) if plain else None
         record["target"] = "" if bound is None else lm_target(record["loss_vs_dense"], bound)
 
 

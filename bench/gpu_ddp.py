@@ -4,7 +4,8 @@ Run by ``bench/gpu_check.sh`` (it needs a CUDA GPU):
 
 * one rank over NCCL: a small MLP trains a few steps with gradcomp's hook
   (int8, Top-K) once per backend (the GPU one, then ``GRADCOMP_BACKEND=torch``);
-  the parameters must agree bit for bit (a few ulp for sign);
+  the parameters must agree bit for bit (a few ulp for sign); and the same
+  for ``gradcomp.optim.CompressedAdam`` (int8 momentum after 3 AdamW steps);
 * two ranks over Gloo on CUDA tensors, the same GPU, if Gloo takes the
   collectives used: the same comparison, then one step profiled with
   ``torch.profiler`` on rank 0. From the trace: the streams gradcomp's
@@ -65,7 +66,8 @@ def hooked_model(compressor: str) -> torch.nn.Module:
 
 
 def train(rank: int, world_size: int, compressor: str, backend: str | None, steps: int = STEPS):
-    """Parameters after ``steps`` of SGD with the hook on ``backend`` (None: the default)."""
+    """Parameters after ``steps`` of SGD with the hook on ``backend`` (None: the default);
+    compressor ``adam:NAME``: CompressedAdam exchanging momentum through NAME, no hook."""
     import gradcomp
 
     if backend is None:
@@ -73,8 +75,14 @@ def train(rank: int, world_size: int, compressor: str, backend: str | None, step
     else:
         os.environ["GRADCOMP_BACKEND"] = backend
     device = torch.device("cuda", 0)
-    model = hooked_model(compressor)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if compressor.startswith("adam:"):
+        model = make_model().cuda()
+        optimizer = gradcomp.optim.CompressedAdam(
+            model.parameters(), lr=1e-3, compressor=compressor[5:], warmup_steps=3
+        )
+    else:
+        model = hooked_model(compressor)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         inputs = torch.randn(64, 256, generator=generator).to(device)
@@ -90,7 +98,7 @@ def train(rank: int, world_size: int, compressor: str, backend: str | None, step
 def compare(rank: int, world_size: int, report: dict) -> bool:
     """The hook on the GPU backends against the torch backend; True if all agree."""
     ok = True
-    for compressor, tolerance in (("int8", 0.0), ("topk", 0.0), ("sign", 1e-5)):
+    for compressor, tolerance in (("int8", 0.0), ("topk", 0.0), ("sign", 1e-5), ("adam:int8", 0.0)):
         try:
             gpu = train(rank, world_size, compressor, None)
             reference = train(rank, world_size, compressor, "torch")

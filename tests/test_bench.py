@@ -280,6 +280,47 @@ def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
 
 
 @pytest.mark.slow
+def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
+    args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
+    adam = ["--adam", "sign:warmup=2", "int4:warmup=3,gradient=int8,exact=embeddings,block=512"]
+    run_script("convergence.py", *args, *adam, "--out", str(tmp_path))
+    rows, document = read_results(tmp_path, stem("convergence-lm"))
+    assert [r["run"] for r in rows] == [
+        "dense",
+        "CompressedAdam sign:warmup=2",
+        "CompressedAdam int4:warmup=3,gradient=int8,exact=embeddings,block=512",
+    ]
+    convergence = importlib.import_module("convergence")
+    net = importlib.import_module("lm").GPT(**convergence.LM_MODEL, seed=0)
+    numel = sum(p.numel() for p in net.parameters())
+    cost = gradcomp.collectives.scale.cost
+    # Rank 0's bytes: two dense steps, then three of sign; one bucket.
+    expected = (2 * cost("none", numel, 2).bytes_sent + 3 * cost("sign", numel, 2).bytes_sent) / 5
+    assert float(rows[1]["bytes_per_step"]) == pytest.approx(expected, rel=1e-12)
+    # With exact embeddings, those and every vector go dense at every step.
+    groups = convergence.adam_groups(net, "embeddings")
+    exact = sum(p.numel() for p in groups[1]["params"])
+    assert exact == 256 * 128 + 64 * 128 + sum(p.numel() for p in net.parameters() if p.dim() < 2)
+    assert float(rows[2]["bytes_per_step"]) < float(rows[0]["bytes_per_step"]) / 2
+    assert all(math.isfinite(float(r["validation_loss"])) for r in rows) and rows[1]["target"] == ""
+    assert len({curve[0][1] for curve in document["curves"].values()}) == 1
+
+
+@pytest.mark.slow
+def test_convergence_adam_specs_are_checked():
+    for spec, message in (
+        ("sign:warmup=x", "warmup must be an integer"),
+        ("sign:exact=norms", "exact must be one of"),
+        ("sign:gradient=int3", "unknown compressor"),
+        ("sign:blok=3", "has no option"),
+    ):
+        result = run_script("convergence.py", "--task", "lm", "--adam", spec, check=False)
+        assert result.returncode == 2 and message in result.stderr, (spec, result.stderr)
+    result = run_script("convergence.py", "--adam", "sign", check=False)
+    assert result.returncode == 2 and "--adam is for --task lm" in result.stderr
+
+
+@pytest.mark.slow
 def test_convergence_rejects_bad_settings():
     result = run_script("convergence.py", "--momentum", "1", check=False)
     assert result.returncode == 2 and "--momentum" in result.stderr
