@@ -56,6 +56,22 @@ class _Bucket:
         return sum(p.numel() for p in self.params)
 
 
+def _fill_unseen(squares: list[torch.Tensor]) -> None:
+    """Give elements whose second moment is still zero when it freezes their
+    tensor's mean (the bucket's for a tensor of zeros).
+
+    Zero means no gradient reached the element in the warm-up (a row never
+    looked up, a value a compressed warm-up rounded to zero every time):
+    frozen, it would divide every later step by ``eps``. Once, without a host sync.
+    """
+    counts = [(v > 0).sum() for v in squares]
+    sums = [v.sum() for v in squares]
+    overall = torch.stack(sums).sum() / torch.stack(counts).sum().clamp_min(1)
+    for v, total, count in zip(squares, sums, counts, strict=True):
+        fill = torch.where(count > 0, total / count.clamp_min(1), overall).to(v.dtype)
+        v.copy_(torch.where(v > 0, v, fill))
+
+
 def _compressor(spec) -> Compressor | None:
     return None if spec is None else get_compressor(spec)
 
@@ -297,6 +313,8 @@ class CompressedAdam(torch.optim.Optimizer):
         if self.frozen(bucket.group, step):
             torch._foreach_copy_(averages, exchanged)
             second_step = self.warmup_steps
+            if step == self.warmup_steps + 1:
+                _fill_unseen(squares)
         else:
             torch._foreach_lerp_(averages, exchanged, 1 - beta1)
             torch._foreach_mul_(squares, beta2)

@@ -185,6 +185,32 @@ def test_error_feedback_conserves_the_momentum():
     run_ranks(_conservation, 2)
 
 
+def _unseen_elements(rank: int, world_size: int) -> None:
+    """An element no gradient reached in the warm-up must not freeze at zero (every step / eps)."""
+    a, b = torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(3))
+    optimizer = CompressedAdam([a, b], compressor="sign", warmup_steps=3, **HYPER)
+    for step in range(6):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        a.grad, b.grad = torch.randn(4, 8, generator=generator), torch.randn(3, generator=generator)
+        if step < 3:  # column 0 of a and all of b see nothing while warming up
+            a.grad[:, 0] = 0
+            b.grad.zero_()
+        before = torch.cat([a.detach().reshape(-1), b.detach()])
+        optimizer.step()
+        moved = torch.cat([a.detach().reshape(-1), b.detach()]) - before
+        # Adam's steps are about lr; dividing by eps would move them by about lr * 1e7.
+        assert moved.abs().max() < 20 * HYPER["lr"], (step, moved.abs().max())
+        if step == 3:
+            v_a, v_b = optimizer.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"]
+            # The tensor's mean where it has one; the bucket's for a tensor that saw nothing.
+            torch.testing.assert_close(v_a[:, 0], v_a[:, 1:].mean().expand(4))
+            torch.testing.assert_close(v_b, v_a[:, 1:].mean().expand(3))
+
+
+def test_elements_without_a_warm_up_gradient_do_not_freeze_at_zero():
+    run_ranks(_unseen_elements, 2)
+
+
 def _gradient_compressor_leftover(rank: int, world_size: int) -> None:
     model = make_model()
     optimizer = CompressedAdam(
