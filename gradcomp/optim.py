@@ -10,11 +10,13 @@ error feedback, instead of the gradient (the observation behind 1-bit Adam).
 * **warm-up** (steps ``1 .. warmup_steps``): the gradients are averaged
   (densely, or through ``gradient_compressor``) and the update is AdamW's,
   operation for operation;
-* **compressed** (later steps): each rank forms ``m_i = b1 m + (1 - b1) g_i``
-  from the shared momentum ``m`` and its own gradient, the ranks average
-  the ``m_i`` through ``compressor`` (error feedback keeps what it dropped
-  on each rank), and the update divides the average by the second moment
-  frozen at the end of the warm-up.
+* **compressed** (later steps): the second moment ``v`` is frozen at the
+  warm-up's end, so the denominator ``d = sqrt(v / (1 - b2^warmup)) + eps``
+  is a constant; each rank forms ``m_i = b1 m + (1 - b1) g_i`` from the
+  shared momentum ``m`` and its own gradient, the ranks average ``m_i / d``
+  (each rank's update) through ``compressor``, error feedback keeping what
+  it dropped on each rank, and every rank applies the average and keeps
+  ``m = average * d``.
 
 A parameter group with ``compressor=None`` never freezes: its gradients are
 averaged at every step and it stays AdamW (keep embeddings and norms exact
@@ -70,6 +72,14 @@ def _fill_unseen(squares: list[torch.Tensor]) -> None:
     for v, total, count in zip(squares, sums, counts, strict=True):
         fill = torch.where(count > 0, total / count.clamp_min(1), overall).to(v.dtype)
         v.copy_(torch.where(v > 0, v, fill))
+
+
+def _denominators(squares: list[torch.Tensor], group: dict, second_step: int) -> list[torch.Tensor]:
+    """AdamW's ``sqrt(v / (1 - beta2^t)) + eps``, as torch computes it."""
+    denominators = torch._foreach_sqrt(squares)
+    torch._foreach_div_(denominators, math.sqrt(1 - group["betas"][1] ** second_step))
+    torch._foreach_add_(denominators, group["eps"])
+    return denominators
 
 
 def _compressor(spec) -> Compressor | None:
@@ -246,14 +256,23 @@ class CompressedAdam(torch.optim.Optimizer):
         pending = []
         for bucket in self._buckets:
             g = self.param_groups[bucket.group]
-            averages, _ = self._moments(bucket)
+            averages, squares = self._moments(bucket)
+            denominators = None
             if self.frozen(bucket.group, step):
+                # Exchanged: each rank's momentum over the frozen denominator, the
+                # update itself; the compressor's error then weighs alike on every
+                # element (unscaled, an element with a small second moment would
+                # take the error its block's large ones bring, magnified).
+                if step == self.warmup_steps + 1:
+                    _fill_unseen(squares)
                 beta1 = g["betas"][0]
+                denominators = _denominators(squares, g, self.warmup_steps)
                 torch._foreach_lerp_(averages, self._grads(bucket), 1 - beta1)
-                flat = torch.cat([m.reshape(-1) for m in averages])
+                flat = torch.cat([u.reshape(-1) for u in torch._foreach_div(averages, denominators)])
                 leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
                 if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
-                    flat.add_(leftover.to(flat.dtype), alpha=1 - beta1)
+                    owed = leftover.to(flat.dtype) / torch.cat([d.reshape(-1) for d in denominators])
+                    flat.add_(owed, alpha=1 - beta1)
                 compressor, key = g["compressor"], ("momentum", bucket.index)
             else:
                 flat = torch.cat([x.reshape(-1) for x in self._grads(bucket)])
@@ -268,11 +287,11 @@ class CompressedAdam(torch.optim.Optimizer):
                 name=key,
                 step=step,
             )
-            pending.append((bucket, flat, work))
+            pending.append((bucket, flat, work, denominators))
         sent = 0
-        for bucket, flat, work in pending:
+        for bucket, flat, work, denominators in pending:
             sent += work.get_future().wait().bytes_sent
-            self._update(bucket, flat, step)
+            self._update(bucket, flat, step, denominators)
         self.steps_done = step
         self.last_bytes_sent = sent
         return loss
@@ -304,30 +323,27 @@ class CompressedAdam(torch.optim.Optimizer):
             raise ValueError(f"ranks disagree on the CompressedAdam settings:\n{lines}")
         self._agreed = True
 
-    def _update(self, bucket: _Bucket, flat: torch.Tensor, step: int) -> None:
+    def _update(self, bucket: _Bucket, flat: torch.Tensor, step: int, denominators) -> None:
+        """AdamW's update from the averaged gradient ``flat``; with the frozen
+        ``denominators``, the update from the averaged scaled momentum ``flat``."""
         g = self.param_groups[bucket.group]
-        lr, (beta1, beta2), eps, decay = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        lr, (beta1, beta2), decay = g["lr"], g["betas"], g["weight_decay"]
         params = list(bucket.params)
         averages, squares = self._moments(bucket)
         exchanged = self._views(flat, bucket)
-        if self.frozen(bucket.group, step):
-            torch._foreach_copy_(averages, exchanged)
-            second_step = self.warmup_steps
-            if step == self.warmup_steps + 1:
-                _fill_unseen(squares)
-        else:
-            torch._foreach_lerp_(averages, exchanged, 1 - beta1)
-            torch._foreach_mul_(squares, beta2)
-            torch._foreach_addcmul_(squares, exchanged, exchanged, 1 - beta2)
-            second_step = step
+        step_size = lr / (1 - beta1**step)
+        if denominators is not None:
+            torch._foreach_copy_(averages, torch._foreach_mul(exchanged, denominators))
+            if decay != 0:
+                torch._foreach_mul_(params, 1 - lr * decay)
+            torch._foreach_add_(params, exchanged, alpha=-step_size)
+            return
+        torch._foreach_lerp_(averages, exchanged, 1 - beta1)
+        torch._foreach_mul_(squares, beta2)
+        torch._foreach_addcmul_(squares, exchanged, exchanged, 1 - beta2)
         if decay != 0:
             torch._foreach_mul_(params, 1 - lr * decay)
-        step_size = lr / (1 - beta1**step)
-        denominators = torch._foreach_sqrt(squares)
-        if second_step > 0:
-            torch._foreach_div_(denominators, math.sqrt(1 - beta2**second_step))
-        torch._foreach_add_(denominators, eps)
-        torch._foreach_addcdiv_(params, averages, denominators, -step_size)
+        torch._foreach_addcdiv_(params, averages, _denominators(squares, g, step), -step_size)
 
     # ------------------------------------------------------------------ state
 

@@ -151,7 +151,8 @@ def test_compressed_phase_keeps_replicas_identical_and_sends_sign_bytes():
 
 
 def _conservation(rank: int, world_size: int) -> None:
-    """What the ranks put in (their momenta plus old residuals) is what they got plus new residuals."""
+    """What the ranks put in (their updates, momentum over the frozen denominator, plus old
+    residuals) is what they got plus new residuals."""
     model = make_model()
     # allgather: one compression a rank (two_phase's second residual is the collectives' tests' business).
     optimizer = CompressedAdam(
@@ -159,26 +160,25 @@ def _conservation(rank: int, world_size: int) -> None:
     )
     key = gradcomp.collectives.key_of(("momentum", 0))
     params = list(model.parameters())
+
+    def of_every(name: str) -> torch.Tensor:
+        return torch.cat([optimizer.state[p][name].reshape(-1) for p in params]).double()
+
     for step in range(6):
         model.zero_grad()
         backward(model, rank, step)
         if step >= 2:
             before = optimizer.feedback.get(key)
             before = torch.zeros(sum(p.numel() for p in params)) if before is None else before.clone()
-            local = torch.cat(
-                [
-                    (BETAS[0] * optimizer.state[p]["exp_avg"] + (1 - BETAS[0]) * p.grad).reshape(-1)
-                    for p in params
-                ]
-            )
+            grads = torch.cat([p.grad.reshape(-1) for p in params]).double()
+            local = BETAS[0] * of_every("exp_avg") + (1 - BETAS[0]) * grads
         optimizer.step()
         if step >= 2:
-            momentum = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in params])
-            went_in = torch.stack(gather((local + before).double())).sum(0)
-            came_out = world_size * momentum.double() + torch.stack(
-                gather(optimizer.feedback.get(key).double())
-            ).sum(0)
-            torch.testing.assert_close(came_out, went_in, rtol=0, atol=1e-6)
+            denominator = (of_every("exp_avg_sq") / (1 - BETAS[1] ** 2)).sqrt() + HYPER["eps"]
+            went_in = torch.stack(gather(local / denominator + before.double())).sum(0)
+            residuals = torch.stack(gather(optimizer.feedback.get(key).double())).sum(0)
+            came_out = world_size * of_every("exp_avg") / denominator + residuals
+            torch.testing.assert_close(came_out, went_in, rtol=1e-5, atol=1e-5)
 
 
 def test_error_feedback_conserves_the_momentum():
