@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from utils import run_ranks
+from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
 
@@ -23,7 +23,7 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     from torch.nn.parallel import DistributedDataParallel
 
     os.chdir(directory)
-    ddp, _, calls, hierarchical = blocks
+    ddp, _, adam, calls, hierarchical = blocks
     # The DDP example, on CPUs: the group is up already, and there is no GPU to move to.
     on_cpu = ddp.replace('dist.init_process_group("nccl")', "pass").replace(
         "net.cuda(), device_ids=[local_rank]", "net"
@@ -46,6 +46,18 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     assert scope["state"].last_stats.ratio > 3  # compressed after the 10 dense steps
     assert os.path.exists(f"hook-rank{rank}.pt")
 
+    # CompressedAdam, on CPUs, its warm-up shortened to fit the 12 batches.
+    on_cpu = adam.replace("net.cuda()", "net").replace("warmup_steps=120", "warmup_steps=4")
+    assert "cuda" not in on_cpu and "warmup_steps=4" in on_cpu
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    scope.update(net=net, gradcomp=gradcomp)
+    exec(on_cpu, scope)
+    numel = sum(p.numel() for p in net.parameters())
+    dense = gradcomp.collectives.ring_all_reduce_bytes(numel * 4, world_size)
+    assert 0 < scope["optimizer"].last_bytes_sent < dense / 20  # sign updates after the warm-up
+    assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+
     scope = {"gradcomp": gradcomp, "grad": torch.randn(4096, generator=generator)}
     exec(calls, scope)
     assert scope["stats"].ratio > 3 and scope["work"].is_completed()
@@ -61,7 +73,7 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
 @pytest.mark.slow
 def test_readme_snippets_run(tmp_path):
     blocks = python_blocks()
-    assert len(blocks) == 4, "a README snippet was added or removed: run it here too"
+    assert len(blocks) == 5, "a README snippet was added or removed: run it here too"
     run_ranks(_run_snippets, 2, blocks, str(tmp_path))
 
 
