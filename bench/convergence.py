@@ -444,8 +444,8 @@ def parse_adam(spec: str) -> dict:
         raise argparse.ArgumentTypeError(f"warmup must be an integer (in {spec!r})") from None
     if settings["exact"] not in (None, *EXACT):
         raise argparse.ArgumentTypeError(f"exact must be one of {EXACT} (in {spec!r})")
-    if settings["gradient"] is not None:
-        common.parse_compressor(settings["gradient"])
+    if settings["gradient"] is not None and "algorithm" in common.parse_compressor(settings["gradient"])[2]:
+        raise argparse.ArgumentTypeError(f"the gradient compressor takes the run's algorithm (in {spec!r})")
     _, name, options = common.parse_compressor(":".join([name, ",".join(kept)]))
     label = f"CompressedAdam {spec.strip()}"
     if ":" not in spec:
@@ -480,11 +480,18 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     state = None
     hyper = dict(lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     if adam:  # the optimizer averages: no DDP
+        options = dict(run["options"])
+        algorithm = options.pop("algorithm", None)
+        gradient = run["adam"]["gradient"]
+        if gradient is not None:
+            _, name, gradient_options = common.parse_compressor(gradient)
+            gradient = gradcomp.get_compressor(name, **gradient_options)
         optimizer = gradcomp.optim.CompressedAdam(
             adam_groups(net, run["adam"]["exact"]),
-            compressor=gradcomp.get_compressor(run["name"], **run["options"]),
-            gradient_compressor=run["adam"]["gradient"],
+            compressor=gradcomp.get_compressor(run["name"], **options),
+            gradient_compressor=gradient,
             warmup_steps=run["adam"]["warmup"],
+            algorithm=algorithm,
             **hyper,
         )
     else:

@@ -60,7 +60,7 @@ class _Bucket:
 
 def _fill_unseen(squares: list[torch.Tensor]) -> None:
     """Give elements whose second moment is still zero when it freezes their
-    tensor's mean (the bucket's for a tensor of zeros).
+    tensor's mean (the mean over every frozen tensor for a tensor of zeros).
 
     Zero means no gradient reached the element in the warm-up (a row never
     looked up, a value a compressed warm-up rounded to zero every time):
@@ -80,6 +80,16 @@ def _denominators(squares: list[torch.Tensor], group: dict, second_step: int) ->
     torch._foreach_div_(denominators, math.sqrt(1 - group["betas"][1] ** second_step))
     torch._foreach_add_(denominators, group["eps"])
     return denominators
+
+
+_COMPRESSOR_KEYS = ("compressor", "gradient_compressor")
+
+
+def _settings(compressor) -> str | None:
+    """A group's compressor as saved: its settings (None for none)."""
+    if compressor is None or isinstance(compressor, str):
+        return compressor
+    return settings_key(compressor)
 
 
 def _compressor(spec) -> Compressor | None:
@@ -117,7 +127,10 @@ class CompressedAdam(torch.optim.Optimizer):
 
     The state (moments, step, this rank's error-feedback residuals) is in
     ``state_dict()``; each rank saves and loads its own, and a resumed run
-    continues bit for bit.
+    continues bit for bit. Parameters that do not require gradients are
+    left alone; a trained parameter whose gradient is None counts as a zero
+    gradient (every rank exchanges every bucket at every step). Groups are
+    fixed at construction (``add_param_group`` raises).
     """
 
     def __init__(
@@ -183,28 +196,39 @@ class CompressedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ layout
 
     def _make_buckets(self, cap: int) -> list[_Bucket]:
+        """Trained parameters (``requires_grad``) in runs of at most ``cap`` bytes per
+        (group, device, dtype); the same on every rank that was given the same model."""
         buckets: list[_Bucket] = []
         for gi, g in enumerate(self.param_groups):
             by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
+            sizes: dict[tuple, int] = {}
             for p in g["params"]:
-                runs = by_kind.setdefault((p.device, p.dtype), [[]])
-                size = sum(q.numel() * q.element_size() for q in runs[-1])
-                if runs[-1] and size + p.numel() * p.element_size() > cap:
+                if not p.requires_grad:  # frozen: AdamW would not touch it either
+                    continue
+                kind, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
+                runs = by_kind.setdefault(kind, [[]])
+                if runs[-1] and sizes[kind] + nbytes > cap:
                     runs.append([])
+                    sizes[kind] = 0
                 runs[-1].append(p)
+                sizes[kind] = sizes.get(kind, 0) + nbytes
             for runs in by_kind.values():
                 for run in runs:
                     if run:
                         buckets.append(_Bucket(len(buckets), gi, tuple(run)))
         return buckets
 
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_buckets"):  # the buckets, and the ranks' agreement, are fixed at construction
+            raise RuntimeError("CompressedAdam takes its parameter groups at construction only")
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def _broadcast(self) -> None:
         source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for bucket in self._buckets:
-            flat = torch.cat([p.reshape(-1) for p in bucket.params])
-            dist.broadcast(flat, source, group=self.process_group)
-            torch._foreach_copy_(list(bucket.params), self._views(flat, bucket))
+        for g in self.param_groups:
+            for p in g["params"]:
+                dist.broadcast(p.data, source, group=self.process_group)
 
     @staticmethod
     def _views(flat: torch.Tensor, bucket: _Bucket) -> list[torch.Tensor]:
@@ -253,6 +277,10 @@ class CompressedAdam(torch.optim.Optimizer):
         if not self._agreed:
             self._check_agreement()
         step = self.steps_done + 1
+        if step == self.warmup_steps + 1:
+            squares = [v for b in self._buckets if self.frozen(b.group, step) for v in self._moments(b)[1]]
+            if squares:
+                _fill_unseen(squares)
         pending = []
         for bucket in self._buckets:
             g = self.param_groups[bucket.group]
@@ -263,15 +291,15 @@ class CompressedAdam(torch.optim.Optimizer):
                 # update itself; the compressor's error then weighs alike on every
                 # element (unscaled, an element with a small second moment would
                 # take the error its block's large ones bring, magnified).
-                if step == self.warmup_steps + 1:
-                    _fill_unseen(squares)
                 beta1 = g["betas"][0]
                 denominators = _denominators(squares, g, self.warmup_steps)
-                torch._foreach_lerp_(averages, self._grads(bucket), 1 - beta1)
-                flat = torch.cat([u.reshape(-1) for u in torch._foreach_div(averages, denominators)])
+                local = torch._foreach_lerp(averages, self._grads(bucket), 1 - beta1)
+                flat = torch.cat([u.reshape(-1) for u in torch._foreach_div(local, denominators)])
                 leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
                 if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
-                    owed = leftover.to(flat.dtype) / torch.cat([d.reshape(-1) for d in denominators])
+                    if leftover.is_cuda:  # allocated on the worker's stream, freed after this read
+                        leftover.record_stream(torch.cuda.current_stream(leftover.device))
+                    owed = leftover.to(flat) / torch.cat([d.reshape(-1) for d in denominators])
                     flat.add_(owed, alpha=1 - beta1)
                 compressor, key = g["compressor"], ("momentum", bucket.index)
             else:
@@ -304,13 +332,7 @@ class CompressedAdam(torch.optim.Optimizer):
             self.warmup_steps,
             self.algorithm,
             [b.numel for b in self._buckets],
-            [
-                tuple(
-                    None if g[k] is None else settings_key(g[k])
-                    for k in ("compressor", "gradient_compressor")
-                )
-                for g in self.param_groups
-            ],
+            [tuple(_settings(g[k]) for k in _COMPRESSOR_KEYS) for g in self.param_groups],
         )
         everyone = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(everyone, described, group=self.process_group)
@@ -348,7 +370,13 @@ class CompressedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
+        """torch's optimizer state (compressors saved as their settings, so that
+        ``torch.load`` reads it with ``weights_only``) and a ``gradcomp`` entry:
+        the step, the warm-up, the bucket sizes and this rank's residuals."""
         state = super().state_dict()
+        for saved in state["param_groups"]:
+            for name in _COMPRESSOR_KEYS:
+                saved[name] = _settings(saved[name])
         state["gradcomp"] = dict(
             steps_done=self.steps_done,
             warmup_steps=self.warmup_steps,
@@ -369,7 +397,19 @@ class CompressedAdam(torch.optim.Optimizer):
             )
         if extra["warmup_steps"] != self.warmup_steps:
             raise ValueError(f"saved warmup_steps {extra['warmup_steps']} differs from {self.warmup_steps}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) == len(self.param_groups):
+            for index, (saved, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+                for name in _COMPRESSOR_KEYS:
+                    if _settings(saved[name]) != _settings(g[name]):
+                        raise ValueError(
+                            f"group {index}: saved {name} {_settings(saved[name])} differs from "
+                            f"{_settings(g[name])}"
+                        )
+        live = [{name: g[name] for name in _COMPRESSOR_KEYS} for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradcomp"})
+        for g, compressors in zip(self.param_groups, live, strict=True):
+            g.update(compressors)
         self.steps_done = extra["steps_done"]
         self._agreed = False
         self.feedback.load_state_dict(extra["feedback"])

@@ -282,20 +282,25 @@ def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
 @pytest.mark.slow
 def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
     args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
-    adam = ["--adam", "sign:warmup=2", "int4:warmup=3,gradient=int8,exact=embeddings,block=512"]
+    adam = [
+        "--adam",
+        "sign:warmup=2,algorithm=allgather",
+        "int4:warmup=3,gradient=int8:block=128,exact=embeddings,block=512",
+    ]
     run_script("convergence.py", *args, *adam, "--out", str(tmp_path))
     rows, document = read_results(tmp_path, stem("convergence-lm"))
     assert [r["run"] for r in rows] == [
         "dense",
-        "CompressedAdam sign:warmup=2",
-        "CompressedAdam int4:warmup=3,gradient=int8,exact=embeddings,block=512",
+        "CompressedAdam sign:warmup=2,algorithm=allgather",
+        "CompressedAdam int4:warmup=3,gradient=int8:block=128,exact=embeddings,block=512",
     ]
     convergence = importlib.import_module("convergence")
     net = importlib.import_module("lm").GPT(**convergence.LM_MODEL, seed=0)
     numel = sum(p.numel() for p in net.parameters())
     cost = gradcomp.collectives.scale.cost
-    # Rank 0's bytes: two dense steps, then three of sign; one bucket.
-    expected = (2 * cost("none", numel, 2).bytes_sent + 3 * cost("sign", numel, 2).bytes_sent) / 5
+    # Rank 0's bytes: two dense steps, then three of sign gathered; one bucket.
+    sign = cost("sign", numel, 2, "allgather").bytes_sent
+    expected = (2 * cost("none", numel, 2).bytes_sent + 3 * sign) / 5
     assert float(rows[1]["bytes_per_step"]) == pytest.approx(expected, rel=1e-12)
     # With exact embeddings, those and every vector go dense at every step.
     groups = convergence.adam_groups(net, "embeddings")
@@ -313,6 +318,7 @@ def test_convergence_adam_specs_are_checked():
         ("sign:exact=norms", "exact must be one of"),
         ("sign:gradient=int3", "unknown compressor"),
         ("sign:blok=3", "has no option"),
+        ("sign:gradient=int8:algorithm=allgather", "takes the run's algorithm"),
     ):
         result = run_script("convergence.py", "--task", "lm", "--adam", spec, check=False)
         assert result.returncode == 2 and message in result.stderr, (spec, result.stderr)

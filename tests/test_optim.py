@@ -253,6 +253,41 @@ def test_non_finite_gradients_are_never_hidden():
     run_ranks(_non_finite, 2)
 
 
+def _groups_and_frozen_parameters(rank: int, world_size: int) -> None:
+    """Two groups (one exact), a bf16 layer, a frozen parameter and one without a gradient."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(12, 16), torch.nn.Linear(16, 4).to(torch.bfloat16)
+    frozen, unused = torch.nn.Parameter(torch.ones(5), requires_grad=False), torch.nn.Parameter(torch.ones(3))
+    optimizer = CompressedAdam(
+        [
+            dict(params=[trunk.weight, head.weight, frozen, unused]),
+            dict(params=[trunk.bias, head.bias], compressor=None),
+        ],
+        compressor="sign",
+        warmup_steps=2,
+        **HYPER,
+    )
+    assert sorted(b.numel for b in optimizer._buckets) == [4, 16, 4 * 16, 16 * 12 + 3]  # by dtype; frozen out
+    for step in range(5):
+        for p in (trunk.weight, trunk.bias, head.weight, head.bias):
+            p.grad = None
+        x, y = batch(rank, step)
+        out = head(torch.tanh(trunk(x)).to(torch.bfloat16)).float()
+        torch.nn.functional.mse_loss(out, y).backward()
+        optimizer.step()
+    assert torch.equal(frozen, torch.ones(5)) and "exp_avg" not in optimizer.state[frozen]
+    assert not torch.equal(unused.detach(), torch.ones(3))  # a None gradient is a zero one: decay moves it
+    trained = (*trunk.parameters(), *head.parameters())
+    everything = torch.cat([p.detach().float().reshape(-1) for p in trained])
+    assert torch.isfinite(everything).all() and same_on_all_ranks(everything)
+    with pytest.raises(RuntimeError, match="at construction only"):
+        optimizer.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))]))
+
+
+def test_groups_dtypes_and_frozen_parameters():
+    run_ranks(_groups_and_frozen_parameters, 2)
+
+
 # ============================================================================= resume
 
 
@@ -263,20 +298,20 @@ def _resume(rank: int, world_size: int) -> None:
             backward(model, rank, step)
             optimizer.step()
 
-    settings = dict(compressor="int4", warmup_steps=4, bucket_mb=0.002, **HYPER)
+    settings = dict(compressor="int4", gradient_compressor="int8", warmup_steps=4, bucket_mb=0.002, **HYPER)
     straight = make_model()
     optimizer = CompressedAdam(straight.parameters(), **settings)
     assert len(optimizer._buckets) > 2
     run(straight, optimizer, range(12))
 
-    for split in (3, 7):  # resume during the warm-up, and in the compressed phase
+    for split in (3, 4, 7):  # during the warm-up, at its end (its residual still owed), after it
         first = make_model()
         optimizer = CompressedAdam(first.parameters(), **settings)
         run(first, optimizer, range(split))
         buffer = io.BytesIO()
         torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
         buffer.seek(0)
-        saved = torch.load(buffer, weights_only=False)
+        saved = torch.load(buffer)  # weights only: compressors are saved as their settings
         resumed = make_model(seed=5)
         resumed.load_state_dict(saved["model"])
         optimizer = CompressedAdam(resumed.parameters(), broadcast=False, **settings)
@@ -290,6 +325,13 @@ def _resume(rank: int, world_size: int) -> None:
     wrong = CompressedAdam(make_model().parameters(), **{**settings, "warmup_steps": 5})
     with pytest.raises(ValueError, match="warmup_steps"):
         wrong.load_state_dict(saved["optimizer"])
+    wrong = CompressedAdam(make_model().parameters(), **{**settings, "compressor": "int8"})
+    with pytest.raises(ValueError, match="saved compressor"):
+        wrong.load_state_dict(saved["optimizer"])
+    # The optimizer keeps its own compressor objects through a load.
+    mine = optimizer.param_groups[0]["compressor"]
+    optimizer.load_state_dict(saved["optimizer"])
+    assert optimizer.param_groups[0]["compressor"] is mine
 
 
 def test_state_dict_resumes_bit_for_bit():
