@@ -1,9 +1,9 @@
-"""Adam that owns its communication: compressed momentum after a dense start.
+"""Adam that owns its communication: compressed updates after a warm-up.
 
 After a warm-up, Adam's second moment changes slowly; freezing it makes the
 update linear in the momentum, so each rank can fold its own gradient into
-the shared momentum and the ranks exchange that momentum compressed, with
-error feedback, instead of the gradient (the observation behind 1-bit Adam).
+the shared momentum and the ranks exchange their updates compressed, with
+error feedback, instead of the gradient.
 
 :class:`CompressedAdam` runs in two phases, the same on every rank:
 
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import all_reduce, key_of, settings_key
+from gradcomp.collectives import all_reduce, check_algorithm, key_of, settings_key
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -97,20 +97,23 @@ def _compressor(spec) -> Compressor | None:
 
 
 class CompressedAdam(torch.optim.Optimizer):
-    """AdamW whose ranks exchange compressed momentum once the second moment is frozen.
+    """AdamW whose ranks exchange compressed updates once the second moment is frozen.
 
     Args:
         params: parameters or parameter groups (a group may set any of
             ``lr``, ``betas``, ``eps``, ``weight_decay``, ``compressor``,
             ``gradient_compressor``).
         lr, betas, eps, weight_decay: AdamW's (weight decay decoupled).
-        compressor: how the momentum is exchanged after the warm-up (a name
-            or a :class:`~gradcomp.Compressor`); ``None`` keeps the group
-            AdamW throughout, its gradients averaged at every step.
+        compressor: how the updates (momentum over the frozen denominator)
+            are exchanged after the warm-up (a name or a
+            :class:`~gradcomp.Compressor`); ``None`` keeps the group AdamW
+            throughout, its gradients averaged at every step.
         gradient_compressor: how gradients are exchanged while they are (the
             warm-up, and every step of a ``compressor=None`` group); default
             ``None``, dense.
-        warmup_steps: steps of AdamW before the second moment is frozen.
+        warmup_steps: steps of AdamW before the second moment is frozen; on
+            the benchmarks' transformer freezing cost +5.9% loss after 60
+            of 600 steps and +0.9% after 120: give it a fifth of the run.
         group: process group (default WORLD).
         algorithm: the compressed all-reduce's algorithm (default from the
             compressor and the group's size).
@@ -182,6 +185,11 @@ class CompressedAdam(torch.optim.Optimizer):
             raise ValueError(
                 "warmup_steps must be >= 1 when a group has a compressor: it freezes the second moment"
             )
+        if algorithm is not None:  # refused now, not when the warm-up ends
+            for g in self.param_groups:
+                for name in _COMPRESSOR_KEYS:
+                    if g[name] is not None:
+                        check_algorithm(g[name], algorithm)
         self.warmup_steps = warmup_steps
         self.process_group = group
         self.algorithm = algorithm

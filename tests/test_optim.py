@@ -414,6 +414,8 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         CompressedAdam(params, compressor="int3")
     with pytest.raises(ValueError, match="unknown compressor"):
         CompressedAdam([{"params": params, "gradient_compressor": "nope"}])
+    with pytest.raises(ValueError, match="dense"):  # sign's payloads do not add up
+        CompressedAdam(params, compressor="sign", algorithm="dense")
     with pytest.raises(ValueError, match="betas"):
         CompressedAdam(params, betas=(0.9, 1.0))
     with pytest.raises(TypeError, match="floating"):
