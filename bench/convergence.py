@@ -444,8 +444,11 @@ def parse_adam(spec: str) -> dict:
         raise argparse.ArgumentTypeError(f"warmup must be an integer (in {spec!r})") from None
     if settings["exact"] not in (None, *EXACT):
         raise argparse.ArgumentTypeError(f"exact must be one of {EXACT} (in {spec!r})")
-    if settings["gradient"] is not None and "algorithm" in common.parse_compressor(settings["gradient"])[2]:
-        raise argparse.ArgumentTypeError(f"the gradient compressor takes the run's algorithm (in {spec!r})")
+    if settings["gradient"] is not None:  # kept parsed: (name, options)
+        settings["gradient"] = common.parse_compressor(settings["gradient"])[1:]
+        if "algorithm" in settings["gradient"][1]:
+            message = f"the gradient compressor takes the run's algorithm (in {spec!r})"
+            raise argparse.ArgumentTypeError(message)
     _, name, options = common.parse_compressor(":".join([name, ",".join(kept)]))
     label = f"CompressedAdam {spec.strip()}"
     if ":" not in spec:
@@ -484,8 +487,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         algorithm = options.pop("algorithm", None)
         gradient = run["adam"]["gradient"]
         if gradient is not None:
-            _, name, gradient_options = common.parse_compressor(gradient)
-            gradient = gradcomp.get_compressor(name, **gradient_options)
+            gradient = gradcomp.get_compressor(gradient[0], **gradient[1])
         optimizer = gradcomp.optim.CompressedAdam(
             adam_groups(net, run["adam"]["exact"]),
             compressor=gradcomp.get_compressor(run["name"], **options),

@@ -302,7 +302,8 @@ class CompressedAdam(torch.optim.Optimizer):
                 beta1 = g["betas"][0]
                 denominators = _denominators(squares, g, self.warmup_steps)
                 local = torch._foreach_lerp(averages, self._grads(bucket), 1 - beta1)
-                flat = torch.cat([u.reshape(-1) for u in torch._foreach_div(local, denominators)])
+                torch._foreach_div_(local, denominators)
+                flat = torch.cat([u.reshape(-1) for u in local])
                 leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
                 if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
                     if leftover.is_cuda:  # allocated on the worker's stream, freed after this read
@@ -363,10 +364,11 @@ class CompressedAdam(torch.optim.Optimizer):
         exchanged = self._views(flat, bucket)
         step_size = lr / (1 - beta1**step)
         if denominators is not None:
-            torch._foreach_copy_(averages, torch._foreach_mul(exchanged, denominators))
             if decay != 0:
                 torch._foreach_mul_(params, 1 - lr * decay)
             torch._foreach_add_(params, exchanged, alpha=-step_size)
+            torch._foreach_mul_(exchanged, denominators)  # the flat buffer is spent: m = update * d
+            torch._foreach_copy_(averages, exchanged)
             return
         torch._foreach_lerp_(averages, exchanged, 1 - beta1)
         torch._foreach_mul_(squares, beta2)
