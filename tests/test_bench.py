@@ -265,8 +265,9 @@ def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
         "byte-level GPT" in result.stdout and "compressed runs dense for their first 2 steps" in result.stdout
     )
     rows, document = read_results(tmp_path, stem("convergence-lm"))
+    # And CompressedAdam's default run, its warm-up a fifth of the steps.
     names = ["dense", "torch fp16 hook", "torch PowerSGD rank 4", "powersgd", "int8"]
-    assert [r["run"] for r in rows] == names
+    assert [r["run"] for r in rows] == [*names, "CompressedAdam sign:gradient=int4 (warm-up 1)"]
     bytes_per_step = {r["run"]: float(r["bytes_per_step"]) for r in rows}
     # gradcomp's powersgd counts what its collectives send; torch's hook is
     # counted from the model's shapes by the same rule: they must agree.
@@ -368,6 +369,42 @@ def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
     check = document["link_check"]
     # 2 ranks x 1 MiB cross the loopback: 168 ms at 100 Mbit/s; unlimited it takes about 1 ms.
     assert check["seconds"] > 0.5 * check["expected_seconds"] > 0.05
+
+
+def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
+    convergence = importlib.import_module("convergence")
+
+    def run(kind, loss, ratio, compressor="", options=None):
+        return dict(
+            kind=kind,
+            validation_loss=loss,
+            ratio=ratio,
+            bytes_per_step=1000 / ratio,
+            compressor=compressor,
+            options=options or {},
+        )
+
+    records = [
+        run("dense", 2.0, 1.0),
+        run("powersgd_hook", 2.2, 18.5),
+        run("gradcomp", 2.01, 3.9, "int8"),
+        run("adam", 2.05, 19.4, "sign"),  # +2.5% at 19.4x: met, and beats torch's hook
+        run("adam", 2.07, 19.4, "sign"),  # +3.5%: missed
+        run("gradcomp", 2.05, 16.5, "ternary", {"block": 64}),  # within 3% but more bytes than the hook
+        run("gradcomp", 2.0, 15.9, "int2"),  # under 16x: no target
+        run("adam", math.nan, 30.0, "sign"),
+    ]
+    convergence.lm_derive(records)
+    targets = [r["target"] for r in records]
+    assert targets[:3] == ["", "", "met (within 1%)"]
+    assert targets[3] == "met (16x+, within 3%); beats torch PowerSGD"
+    assert targets[4] == "missed (16x+, within 3%): +3.5%"
+    assert targets[5] == "missed: not below torch PowerSGD in both loss and bytes"
+    assert targets[6] == "" and targets[7] == "missed (16x+, within 3%): no finite loss"
+    # Without torch's hook in the run, only dense judges.
+    del records[1]
+    convergence.lm_derive(records)
+    assert records[4]["target"] == "met (16x+, within 3%)"
 
 
 def test_convergence_target_says_when_a_run_diverged():
