@@ -4,6 +4,8 @@ Example:
     $ python -m gradcomp demo
     $ python -m gradcomp demo --epochs 4 --compressors dense,int8,topk
     $ python -m gradcomp plan --numel 25M --bandwidth 10gbit --latency 20us
+    $ python -m gradcomp probe --out profile.json
+    $ python -m gradcomp plan --params 350M --world 16 --bandwidth 10gbit --profile profile.json
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import re
 import sys
 import time
 
-from gradcomp import demo
+from gradcomp import demo, planner
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 _RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "gb": 1e9, "mb": 1e6}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_DECIMAL = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}
 
 
 def _names(text: str) -> list[str]:
@@ -56,6 +59,13 @@ def _quantity(units: dict[str, float], what: str, integer: bool = False):
         return int(value) if integer else value
 
     return parse
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [_quantity(_UNITS, "size", integer=True)(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one size")
+    return sizes
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -105,6 +115,34 @@ def parser() -> argparse.ArgumentParser:
         help="elements of the all-reduce (K, M, G suffixes; default 25M)",
     )
     plan.add_argument(
+        "--params",
+        type=_quantity(_DECIMAL, "params", integer=True),
+        default=None,
+        help="a model of this many fp32 parameters (K, M, G: thousands, millions, billions): print what "
+        "each candidate costs a step in DDP buckets and what auto picks, instead of the sweep",
+    )
+    plan.add_argument("--world", type=_at_least(2), default=None, help="with --params: ranks (default 8)")
+    plan.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="with --params: DDP bucket size in MB (default 25)"
+    )
+    plan.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="with --params: forward and backward time of a step, for the bound on the step's speedup",
+    )
+    plan.add_argument(
+        "--allow",
+        default=",".join(planner.SAFE),
+        help=f"with --params: auto's candidates (default {','.join(planner.SAFE)}; e.g. add topk@0.01)",
+    )
+    plan.add_argument(
+        "--profile",
+        default=None,
+        help="with --params: a profile from 'gradcomp probe' (default: the stored profile of this kind of "
+        "machine); --bandwidth and --latency, when given, replace its link",
+    )
+    plan.add_argument(
         "--world-sizes",
         type=_world_sizes,
         default=[2**i for i in range(1, 11)],
@@ -113,14 +151,14 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--bandwidth",
         type=_quantity(_RATES, "bandwidth"),
-        default=10e9 / 8,
-        help="per rank, e.g. 1gbit, 100gbit, 25gb (bytes/s; default 10gbit)",
+        default=None,
+        help="per rank, e.g. 1gbit, 100gbit, 25gb (bytes/s; default 10gbit, or the profile's with --params)",
     )
     plan.add_argument(
         "--latency",
         type=_quantity(_TIMES, "latency"),
-        default=20e-6,
-        help="per collective step, e.g. 20us (default)",
+        default=None,
+        help="per collective step, e.g. 20us (default 20us, or the profile's with --params)",
     )
     plan.add_argument(
         "--compressors",
@@ -128,6 +166,29 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated compressor names",
     )
     plan.add_argument("--png", default=None, help="also plot bytes per rank against the world size here")
+    probe = commands.add_parser(
+        "probe",
+        help="measure this machine's link and compressors and write a profile for plan and auto",
+        description=(
+            "Spawn Gloo ranks on 127.0.0.1, time dense all-reduces of each size (fitting latency per "
+            "ring step and bandwidth per rank) and each compressor's compress and decompress, and "
+            "write the profile as JSON. Each figure is the slowest rank's median."
+        ),
+    )
+    probe.add_argument("--world-size", type=_at_least(2), default=2, help="processes to spawn (default 2)")
+    probe.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=[2**12, 2**16, 2**20, 2**22],
+        help="comma-separated all-reduce sizes in fp32 elements (default 4K,64K,1M,4M)",
+    )
+    probe.add_argument(
+        "--compressors",
+        default="none,bf16,int8,int4,ternary,sign,topk,randk",
+        help="comma-separated compressors to time (name, name@value or name:k=v)",
+    )
+    probe.add_argument("--repeat", type=_at_least(1), default=5, help="timings per size (median; default 5)")
+    probe.add_argument("--out", default="gradcomp-profile.json", help="where to write the profile")
     return top
 
 
@@ -135,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = parser().parse_args(argv)
     if args.command == "plan":
-        return _plan(args)
+        return _plan(args) if args.params is None else _decide(args)
+    if args.command == "probe":
+        return _probe(args)
     if importlib.util.find_spec("sklearn") is None:
         sys.stderr.write(
             "the demo trains on scikit-learn's digits, which is not installed: "
@@ -155,11 +218,11 @@ def _plan(args) -> int:
     from gradcomp.collectives import scale
 
     names = [name.strip() for name in args.compressors.split(",") if name.strip()]
-    link = scale.Link(args.bandwidth, args.latency)
+    link = scale.Link(args.bandwidth or 10e9 / 8, 20e-6 if args.latency is None else args.latency)
     records = scale.table(names, args.numel, args.world_sizes, link)
     print(
-        f"all-reduce of {args.numel:,} fp32 elements; link {args.bandwidth * 8 / 1e9:g} Gbit/s per rank, "
-        f"{args.latency * 1e6:g} us per step; bytes one rank sends (ring model) and predicted ms"
+        f"all-reduce of {args.numel:,} fp32 elements; link {link.bandwidth * 8 / 1e9:g} Gbit/s per rank, "
+        f"{link.latency * 1e6:g} us per step; bytes one rank sends (ring model) and predicted ms"
     )
     header = ["compressor", "algorithm"] + [f"W={w}" for w in args.world_sizes]
     lines = []
@@ -206,3 +269,126 @@ def _plot(records: list[dict], args, path: str) -> None:
     axes.set_title(f"all-reduce of {args.numel:,} fp32 elements (ring model)")
     axes.legend(fontsize=7)
     figure.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def _buckets(params: int, bucket_mb: float) -> list[int]:
+    """The model's fp32 parameters in DDP buckets of ``bucket_mb`` MB (the last one short)."""
+    per = max(1, int(bucket_mb * 2**20 // 4))
+    return [per] * (params // per) + ([params % per] if params % per else [])
+
+
+def _decide(args) -> int:
+    try:
+        profile = planner.Profile.load(args.profile)
+        candidates = [planner.candidate(c) for c in args.allow.split(",") if c.strip()]
+    except (OSError, ValueError, KeyError) as error:
+        sys.stderr.write(f"gradcomp plan: {error}\n")
+        return 2
+    if args.bandwidth is not None or args.latency is not None:
+        profile = profile.with_link(args.bandwidth, args.latency)
+    world = args.world or 8
+    buckets = _buckets(args.params, args.bucket_mb)
+    link = profile.link
+    print(
+        f"{args.params:,} fp32 parameters in {len(buckets)} buckets of {args.bucket_mb:g} MB, {world} ranks; "
+        f"link {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, {link.latency * 1e6:.3g} us per step; "
+        f"compress and decode times of {profile.device} ({profile.note})"
+    )
+    try:
+        pairs = planner.options(["none", *candidates], world)
+        totals = []
+        for compressor, algorithm in pairs:
+            once = {n: planner.predict(compressor, n, world, profile, algorithm) for n in set(buckets)}
+            totals.append((planner.label(compressor), algorithm, [once[n] for n in buckets]))
+        plan = planner.choose(buckets, world, profile, candidates)
+    except (KeyError, ValueError) as error:
+        sys.stderr.write(f"gradcomp plan: {error.args[0]}\n")
+        return 2
+    dense = sum(p.seconds for p in totals[0][2])
+    rows = []
+    for name, algorithm, predictions in totals:
+        seconds = sum(p.seconds for p in predictions)
+        rows.append(
+            [
+                name,
+                algorithm,
+                f"{sum(p.bytes_sent for p in predictions) / 1e6:.4g}",
+                f"{sum(p.exchange_seconds for p in predictions) * 1e3:.4g}",
+                f"{sum(p.codec_seconds for p in predictions) * 1e3:.4g}",
+                f"{seconds * 1e3:.4g}",
+                f"{dense / seconds:.2f}x",
+            ]
+        )
+    header = ["candidate", "algorithm", "MB sent/rank", "exchange ms", "codec ms", "total ms", "vs dense"]
+    _print_table(header, rows)
+    chosen = sum(p.seconds for p in plan)
+    picks: dict[tuple[str, str], int] = {}
+    for p in plan:
+        picks[(p.compressor, p.algorithm)] = picks.get((p.compressor, p.algorithm), 0) + 1
+    what = ", ".join(
+        f"{name} ({algorithm}) for {count} bucket{'s' * (count > 1)}"
+        for (name, algorithm), count in picks.items()
+    )
+    print(f"auto picks: {what}: {chosen * 1e3:.4g} ms a step, {dense / chosen:.2f}x faster than dense")
+    if args.compute_ms is not None:
+        compute = args.compute_ms / 1e3
+        print(
+            f"with {args.compute_ms:g} ms of compute a step and no overlap: dense communication is "
+            f"{dense / compute:.2f}x the compute; the step is at most {(compute + dense) / compute:.2f}x "
+            f"faster with any compressor (Amdahl), and auto's plan predicts "
+            f"{(compute + dense) / (compute + chosen):.2f}x"
+        )
+    return 0
+
+
+def _probe(args) -> int:
+    from gradcomp import spawn
+
+    try:
+        specs = [s for s in args.compressors.split(",") if s.strip()]
+        [planner.candidate(s) for s in specs]
+    except (ValueError, TypeError) as error:
+        sys.stderr.write(f"gradcomp probe: {error}\n")
+        return 2
+    print(f"{demo.machine()}, {args.world_size} Gloo ranks on 127.0.0.1", flush=True)
+    profile, rows = spawn.run_ranks(_probe_rank, args.world_size, args.sizes, specs, args.repeat)
+    _print_table(
+        ["all-reduce elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s"],
+        [
+            [
+                f"{r['numel']:,}",
+                f"{r['bytes_sent']:,}",
+                f"{r['seconds'] * 1e3:.3g}",
+                f"{r['bytes_sent'] * 8 / r['seconds'] / 1e9:.3g}",
+            ]
+            for r in rows
+        ],
+    )
+    link = profile.link
+    print(f"fit: {link.latency * 1e6:.3g} us per ring step, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank")
+    _print_table(
+        ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
+        [
+            [
+                name,
+                f"{c.encode.rate / 1e6:.4g}",
+                f"{c.decode.rate / 1e6:.4g}",
+                f"{c.encode.overhead * 1e6:.3g}",
+                f"{c.decode.overhead * 1e6:.3g}",
+            ]
+            for name, c in profile.codecs.items()
+        ],
+    )
+    profile.save(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _probe_rank(rank: int, world_size: int, sizes: list[int], specs: list[str], repeat: int):
+    return planner.probe(sizes, specs, repeat=repeat)

@@ -1,0 +1,391 @@
+"""The planner: the predicted time of a compressed all-reduce on a measured
+link and device, and the compressor and algorithm it picks per bucket.
+
+A :class:`Profile` holds what a machine measured: the link as an
+alpha-beta fit of all-reduce times (latency per ring step, bytes per second
+per rank), and per compressor the seconds to encode and to decode ``n``
+elements as ``overhead + n / rate``. :func:`predict` adds the exchange time
+of the scale model (:mod:`gradcomp.collectives.scale`: the bytes one rank
+sends, the ring steps) and the encode and decode passes each algorithm
+makes; :func:`choose` takes, per bucket, the candidate with the least
+predicted time, so a bucket below the break-even size stays dense.
+:func:`measure_link` and :func:`measure_codec` make a profile on this
+machine (``python -m gradcomp probe``); :func:`combine` makes every rank's
+measurements one profile (the slowest of each), so every rank chooses alike.
+
+Example:
+    >>> profile = planner.Profile.load()  # the stored profile of this kind of machine
+    >>> plan = planner.choose([6_553_600, 4096], 16, profile.with_link(1e9 / 8))  # 1 Gbit/s
+    >>> [(p.compressor, p.algorithm) for p in plan]  # on the stored 2-core CPU profile
+    [('int4', 'two_phase'), ('bf16', 'allgather')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import scale
+from gradcomp.collectives.algorithms import ALGORITHMS, check_algorithm
+from gradcomp.collectives.stats import ring_all_reduce_bytes
+from gradcomp.compressors import Compressor, Context, get_compressor
+
+# What ``auto`` may choose unless told: the compressors that kept accuracy on
+# every task measured (bench/README.md). Sign, sparse and low-rank ones only
+# when allowed.
+SAFE = ("none", "bf16", "int8", "int4")
+# ``name@value`` sets this option of the compressor (``topk@0.01``).
+_SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": "block", "int4": "block"}
+# Algorithms auto does not pick by itself: they need a node layout.
+_NOT_PLANNED = ("hierarchical",)
+STORED = pathlib.Path(__file__).with_name("profiles")
+_FASTEST = 1e15  # elements or bytes a second: the most a fit reports
+
+
+def candidate(spec: str | Compressor) -> Compressor:
+    """A compressor from ``"int8"``, ``"topk@0.01"``, ``"int4:block=128"`` or an instance."""
+    if isinstance(spec, Compressor):
+        return spec
+    name, at, value = spec.strip().partition("@")
+    if at:
+        option = _SHORT_OPTION.get(name.lower())
+        if option is None:
+            raise ValueError(f"{spec!r}: only {sorted(_SHORT_OPTION)} take name@value")
+        return get_compressor(name, **{option: _number(value, spec)})
+    name, _, rest = name.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{spec!r}: expected key=value, got {item!r}")
+        options[key.strip()] = _number(value, spec)
+    return get_compressor(name, **options)
+
+
+def _number(text: str, spec: str):
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {text!r} is not a number") from None
+
+
+def label(compressor: Compressor) -> str:
+    """A short name: the compressor's name and the options that differ from its defaults."""
+    default = get_compressor(compressor.name).settings()
+    changed = {k: v for k, v in compressor.settings().items() if default.get(k) != v}
+    return compressor.name + "".join(f",{k}={v}" for k, v in sorted(changed.items())).replace(",", ":", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """Seconds for ``n`` elements: ``overhead + n / rate``."""
+
+    overhead: float
+    rate: float
+
+    def seconds(self, numel: float) -> float:
+        return self.overhead + numel / self.rate if numel else 0.0
+
+    @staticmethod
+    def fit(numels: list[int], seconds: list[float]) -> Linear:
+        """The least-squares line through the points, its overhead at least 0
+        and its rate positive."""
+        if len(numels) == 1:
+            return Linear(0.0, min(numels[0] / max(seconds[0], 1e-30), _FASTEST))
+        mean_n, mean_s = statistics.fmean(numels), statistics.fmean(seconds)
+        spread = sum((n - mean_n) ** 2 for n in numels)
+        slope = sum((n - mean_n) * (s - mean_s) for n, s in zip(numels, seconds, strict=True)) / spread
+        if slope <= 0:  # flat: all overhead (a rate bounded to keep the JSON finite)
+            return Linear(max(seconds), _FASTEST)
+        overhead = mean_s - slope * mean_n
+        if overhead < 0:  # through the origin instead
+            slope = sum(n * s for n, s in zip(numels, seconds, strict=True)) / sum(n * n for n in numels)
+            overhead = 0.0
+        return Linear(overhead, min(1.0 / slope, _FASTEST))
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One compressor's encode and decode times on one device."""
+
+    encode: Linear
+    decode: Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What a machine measured: the link and each compressor's codec."""
+
+    device: str
+    link: scale.Link
+    codecs: dict[str, Codec]
+    world_size: int = 2
+    note: str = ""
+
+    def with_link(self, bandwidth: float | None = None, latency: float | None = None) -> Profile:
+        """This profile on another link (bytes/s per rank, seconds per step)."""
+        link = scale.Link(bandwidth or self.link.bandwidth, self.link.latency if latency is None else latency)
+        return dataclasses.replace(self, link=link)
+
+    def codec(self, compressor: Compressor) -> Codec:
+        key = label(compressor)
+        if key not in self.codecs:
+            raise KeyError(
+                f"the profile of {self.device} has no measurement of {key!r} (it has {sorted(self.codecs)}); "
+                "measure it: python -m gradcomp probe --compressors ..."
+            )
+        return self.codecs[key]
+
+    def to_json(self) -> dict:
+        return dict(
+            device=self.device,
+            world_size=self.world_size,
+            note=self.note,
+            link=dataclasses.asdict(self.link),
+            codecs={k: dataclasses.asdict(c) for k, c in self.codecs.items()},
+        )
+
+    @staticmethod
+    def from_json(data: dict) -> Profile:
+        codecs = {k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()}
+        return Profile(data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"])
+
+    def save(self, path: str | pathlib.Path) -> None:
+        pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | pathlib.Path | None = None) -> Profile:
+        """A profile from ``path``, or the stored one of this kind of machine."""
+        if path is None:
+            path = STORED / ("cuda.json" if torch.cuda.is_available() else "cpu.json")
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"no stored profile for this device ({path.name}); measure one: python -m gradcomp probe"
+                )
+        return Profile.from_json(json.loads(pathlib.Path(path).read_text()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A bucket's predicted all-reduce: the exchange and the encode/decode passes."""
+
+    compressor: str
+    algorithm: str
+    numel: int
+    bytes_sent: int
+    exchange_seconds: float
+    codec_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.exchange_seconds + self.codec_seconds
+
+
+def passes(algorithm: str, world_size: int) -> tuple[float, float]:
+    """Encode and decode passes over a bucket's elements that ``algorithm`` makes on one rank.
+
+    dense: encode once, decode the summed payload once; allgather: encode
+    once, decode every rank's payload; two_phase: encode, then re-encode its
+    own reduced chunk (1/W); decode the W-1 chunks it receives and the W it
+    gathers (about two passes).
+    """
+    w = world_size
+    if algorithm == "dense":
+        return 1.0, 1.0
+    if algorithm == "allgather":
+        return 1.0, float(w)
+    return 1.0 + 1.0 / w, 2.0 - 1.0 / w
+
+
+def predict(
+    compressor: Compressor | str,
+    numel: int,
+    world_size: int,
+    profile: Profile,
+    algorithm: str | None = None,
+) -> Prediction:
+    """The predicted time of one all-reduce of ``numel`` fp32 elements."""
+    compressor = candidate(compressor)
+    if compressor.low_rank:
+        raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
+    algorithm = check_algorithm(compressor, algorithm, world_size)
+    cost = scale.cost(compressor, numel, world_size, algorithm)
+    exchange = cost.seconds(profile.link)
+    if compressor.name == "none" or world_size == 1:
+        codec = 0.0
+    else:
+        c = profile.codec(compressor)
+        encode, decode = passes(algorithm, world_size)
+        codec = encode * c.encode.seconds(numel) + decode * c.decode.seconds(numel)
+    return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec)
+
+
+def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
+    """Every (compressor, algorithm) pair the candidates can run at this world size (``none``: dense only)."""
+    pairs, seen = [], set()
+    for spec in candidates:
+        compressor = candidate(spec)
+        if label(compressor) in seen:
+            continue
+        seen.add(label(compressor))
+        if compressor.low_rank:
+            raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
+        for algorithm in ALGORITHMS:
+            if algorithm in _NOT_PLANNED or (compressor.name == "none" and algorithm != "dense"):
+                continue  # dense fp32 goes as torch's all-reduce
+            try:
+                check_algorithm(compressor, algorithm, world_size)
+            except ValueError:
+                continue
+            pairs.append((compressor, algorithm))
+    return pairs
+
+
+def choose(numels: list[int], world_size: int, profile: Profile, candidates=SAFE) -> list[Prediction]:
+    """Per bucket, the candidate pair with the least predicted time (ties: fewer bytes, then the
+    earlier candidate). ``none`` is always a candidate: nothing is chosen that is predicted slower."""
+    pairs = options(["none", *[c for c in candidates if c != "none"]], world_size)
+    best = {}  # buckets are mostly of one size: predict each size once
+    for numel in set(numels):
+        predictions = [predict(c, numel, world_size, profile, a) for c, a in pairs]
+        best[numel] = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
+    return [best[numel] for numel in numels]
+
+
+def combine(profiles: list[Profile]) -> Profile:
+    """One profile from every rank's: the slowest link and the slowest codec of each compressor."""
+    first = profiles[0]
+    link = scale.Link(min(p.link.bandwidth for p in profiles), max(p.link.latency for p in profiles))
+    codecs = {}
+    for key in first.codecs:
+        if all(key in p.codecs for p in profiles):
+            codecs[key] = Codec(
+                *(_slowest([getattr(p.codecs[key], w) for p in profiles]) for w in ("encode", "decode"))
+            )
+    return dataclasses.replace(first, link=link, codecs=codecs)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _slowest(lines: list[Linear]) -> Linear:
+    return Linear(max(x.overhead for x in lines), min(x.rate for x in lines))
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def measure_link(sizes: list[int], group=None, repeat: int = 5) -> tuple[scale.Link, list[dict]]:
+    """Time dense fp32 all-reduces of ``sizes`` elements over ``group`` and fit
+    ``steps * latency + bytes / bandwidth`` (the scale model's ring). Every
+    rank must call it; every rank gets the slowest rank's times."""
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    rows = []
+    for numel in sizes:
+        tensor = torch.ones(numel, device=device)
+        once = functools.partial(_all_reduce_once, tensor, group)
+        dist.barrier(group=group)
+        seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+        rows.append(
+            dict(numel=numel, bytes_sent=ring_all_reduce_bytes(numel * 4, world), seconds=seconds.item())
+        )
+    return fit_link(rows, world), rows
+
+
+def _all_reduce_once(tensor: torch.Tensor, group) -> None:
+    dist.all_reduce(tensor, group=group)
+    _synchronize(tensor)
+
+
+def _encode_once(compressor: Compressor, x: torch.Tensor, context) -> None:
+    compressor.compress(x, context)
+    _synchronize(x)
+
+
+def _decode_once(compressor: Compressor, payload, out: torch.Tensor) -> None:
+    compressor.decompress(payload, out=out)
+    _synchronize(out)
+
+
+def fit_link(rows: list[dict], world_size: int) -> scale.Link:
+    """Least squares of ``seconds = 2 (W-1) latency + bytes_sent / bandwidth`` over the rows."""
+    steps = 2 * (world_size - 1)
+    line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
+    return scale.Link(line.rate, line.overhead / steps)
+
+
+def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", repeat: int = 5) -> Codec:
+    """Time ``compress`` (with a residual when the compressor keeps one by default) and
+    ``decompress`` of ``sizes`` random fp32 elements on ``device``; fit each."""
+    compressor = candidate(compressor)
+    encode, decode = [], []
+    for numel in sizes:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+        out = torch.empty_like(x)
+        # With error feedback where the compressor has it by default: the fused pass training runs.
+        context = Context(residual=torch.zeros_like(x)) if compressor.needs_feedback else None
+        payload = compressor.compress(x)
+        encode.append(_median_seconds(functools.partial(_encode_once, compressor, x, context), repeat))
+        decode.append(_median_seconds(functools.partial(_decode_once, compressor, payload, out), repeat))
+    return Codec(Linear.fit(sizes, encode), Linear.fit(sizes, decode))
+
+
+def probe(sizes: list[int], compressors, codec_sizes: list[int] | None = None, group=None, repeat: int = 5):
+    """Measure this group's link and, on every rank, each compressor's codec; every rank
+    returns the same :class:`Profile` (the slowest of each measurement) and the link's rows."""
+    link, rows = measure_link(sizes, group, repeat)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    codecs = {}
+    for spec in compressors:
+        compressor = candidate(spec)
+        if compressor.name != "none":
+            codecs[label(compressor)] = measure_codec(compressor, codec_sizes or sizes, device, repeat)
+    world = dist.get_world_size(group)
+    mine = Profile(device_name(device), link, codecs, world, f"{backend}, {world} ranks")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return combine(everyone), rows
+
+
+def device_name(device: torch.device) -> str:
+    """The device a profile was measured on, in words."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPUs ({model})"

@@ -1,0 +1,192 @@
+"""The planner: its cost model and decisions on injected measurements, agreement across ranks,
+and the probe and plan commands on tiny sizes."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradcomp import cli, planner, spawn
+from gradcomp.collectives import scale
+
+
+def profile(bandwidth: float, latency: float = 20e-6, rate: float = 1e9, overhead: float = 50e-6):
+    """A profile of every safe compressor, each encoding and decoding at ``rate`` elements a second."""
+    line = planner.Linear(overhead, rate)
+    codecs = {name: planner.Codec(line, line) for name in ("bf16", "int8", "int4", "topk", "sign")}
+    return planner.Profile("test device", scale.Link(bandwidth, latency), codecs, 2, "injected")
+
+
+GBIT = 1e9 / 8
+BUCKET = 25 * 2**20 // 4  # a 25 MB DDP bucket of fp32
+
+
+def test_linear_fit_recovers_a_line_and_stays_finite():
+    line = planner.Linear.fit([1000, 2000, 4000], [0.003, 0.005, 0.009])
+    assert line.overhead == pytest.approx(1e-3) and line.rate == pytest.approx(5e5)
+    assert line.seconds(3000) == pytest.approx(0.007) and line.seconds(0) == 0.0
+    # Noise that tilts the line below the origin: fitted through the origin instead.
+    through = planner.Linear.fit([1000, 2000], [0.001, 0.0030])
+    assert through.overhead == 0.0 and through.seconds(2000) == pytest.approx(0.0028)
+    # Flat or falling times: all overhead, a finite rate (the profile stays plain JSON).
+    flat = planner.Linear.fit([1000, 2000], [0.002, 0.001])
+    assert flat.overhead == 0.002 and flat.rate == planner._FASTEST
+
+
+def test_a_prediction_is_the_scale_models_exchange_plus_the_algorithms_codec_passes():
+    p = profile(GBIT)
+    for name, algorithm, (encode, decode) in (
+        ("int8", "two_phase", (1 + 1 / 4, 2 - 1 / 4)),
+        ("int8", "allgather", (1, 4)),
+        ("bf16", "dense", (1, 1)),
+    ):
+        got = planner.predict(name, BUCKET, 4, p, algorithm)
+        cost = scale.cost(name, BUCKET, 4, algorithm)
+        assert got.bytes_sent == cost.bytes_sent and got.exchange_seconds == cost.seconds(p.link)
+        codec = p.codecs[name]
+        expected = encode * codec.encode.seconds(BUCKET) + decode * codec.decode.seconds(BUCKET)
+        assert got.codec_seconds == pytest.approx(expected) and got.seconds > got.exchange_seconds
+    dense = planner.predict("none", BUCKET, 4, p)
+    assert dense.codec_seconds == 0 and dense.bytes_sent == scale.cost("none", BUCKET, 4).bytes_sent
+
+
+def test_a_slow_link_picks_a_low_bit_quantizer_and_a_fast_one_sends_dense_or_bf16():
+    slow = planner.choose([BUCKET], 8, profile(GBIT))
+    assert [(c.compressor, c.algorithm) for c in slow] == [("int4", "two_phase")]
+    # At 400 Gbit/s with codecs of 1G elements a second, compressing costs more than it saves.
+    fast = planner.choose([BUCKET], 8, profile(400 * GBIT))
+    assert fast[0].compressor in ("none", "bf16")
+    assert fast[0].seconds <= planner.predict("none", BUCKET, 8, profile(400 * GBIT)).seconds
+    # Without a fast codec even 10 Gbit/s stays dense.
+    assert planner.choose([BUCKET], 8, profile(10 * GBIT, rate=1e8))[0].compressor == "none"
+
+
+def test_buckets_below_the_break_even_size_stay_dense():
+    p = profile(GBIT, latency=20e-6, overhead=2e-3)  # 2 ms to start a codec
+    plan = planner.choose([256, 4096, 65536, BUCKET], 2, p)
+    assert [c.compressor for c in plan][:2] == ["none", "none"] and plan[-1].compressor != "none"
+    for choice in plan:  # nothing chosen is predicted slower than dense
+        assert choice.seconds <= planner.predict("none", choice.numel, 2, p).seconds
+
+
+def test_only_allowed_candidates_are_chosen():
+    plan = planner.choose([BUCKET], 8, profile(0.1 * GBIT), candidates=("int8",))
+    assert plan[0].compressor == "int8"
+    allowed = planner.choose([BUCKET], 8, profile(0.1 * GBIT), candidates=(*planner.SAFE, "topk@0.01"))
+    assert allowed[0].compressor == "topk"
+    with pytest.raises(KeyError, match="no measurement of 'ternary'"):
+        planner.choose([BUCKET], 8, profile(GBIT), candidates=("ternary",))
+    with pytest.raises(ValueError, match="low-rank"):
+        planner.choose([BUCKET], 8, profile(GBIT), candidates=("powersgd",))
+
+
+def test_candidates_parse_short_and_long_options():
+    assert planner.candidate("topk@0.05").ratio == 0.05
+    assert planner.label(planner.candidate("int4:block=128")) == "int4:block=128"
+    assert planner.label(planner.candidate("topk@0.05")) == "topk:ratio=0.05"
+    assert planner.candidate("int8:stochastic=true").stochastic is True
+    assert planner.label(planner.candidate("int8")) == "int8"
+    for spec, message in (
+        ("sign@3", "take name@value"),
+        ("int8:block", "key=value"),
+        ("int8:block=x", "number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            planner.candidate(spec)
+
+
+def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
+    fast, slow = profile(10 * GBIT, 10e-6, rate=2e9), profile(GBIT, 30e-6, rate=1e9, overhead=1e-4)
+    both = planner.combine([fast, slow])
+    assert both.link == scale.Link(GBIT, 30e-6)
+    assert both.codecs["int8"].encode == planner.Linear(1e-4, 1e9)
+    path = tmp_path / "profile.json"
+    both.save(path)
+    assert planner.Profile.load(path) == both
+    assert json.loads(path.read_text())["link"]["bandwidth"] == GBIT
+
+
+def _probe_body(rank, world_size):
+    # Each rank measures its own codecs; the profiles must come back identical.
+    found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, found)
+    plan = planner.choose([4096, 2**20], world_size, found.with_link(GBIT), candidates=("int8",))
+    plans = [None] * world_size
+    dist.all_gather_object(plans, plan)
+    return everyone, plans, rows
+
+
+@pytest.mark.slow
+def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
+    everyone, plans, rows = spawn.run_ranks(_probe_body, 3, timeout=120)
+    assert everyone[0] == everyone[1] == everyone[2] and plans[0] == plans[1] == plans[2]
+    assert set(everyone[0].codecs) == {"int8"} and everyone[0].world_size == 3
+    assert [r["numel"] for r in rows] == [256, 4096] and all(r["seconds"] > 0 for r in rows)
+    assert rows[1]["bytes_sent"] == 2 * 2 * 4096 * 4 // 3
+
+
+@pytest.mark.slow
+def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    argv = [
+        "probe",
+        "--sizes",
+        "1K,16K",
+        "--compressors",
+        "none,int8,int4",
+        "--repeat",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "us per ring step" in text and "wrote" in text
+    measured = planner.Profile.load(out)
+    assert set(measured.codecs) == {"int8", "int4"} and measured.link.bandwidth > 0
+    argv = ["plan", "--params", "100M", "--world", "16", "--bandwidth", "1gbit", "--profile", str(out)]
+    assert cli.main([*argv, "--compute-ms", "300", "--allow", "none,int8,int4"]) == 0
+    text = capsys.readouterr().out
+    assert f"100,000,000 fp32 parameters in {-(-100_000_000 // BUCKET)} buckets of 25 MB, 16 ranks" in text
+    assert "auto picks:" in text and "Amdahl" in text
+
+
+def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    profile(GBIT).save(path)
+    argv = ["plan", "--params", "350M", "--world", "16", "--profile", str(path), "--compute-ms", "500"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    buckets = 350_000_000 // BUCKET + 1
+    assert f"350,000,000 fp32 parameters in {buckets} buckets of 25 MB, 16 ranks; link 1 Gbit/s" in text
+    rows = {tuple(line.split()[:2]) for line in text.splitlines()}
+    assert {("none", "dense"), ("bf16", "dense"), ("int8", "two_phase"), ("int4", "allgather")} <= rows
+    assert f"auto picks: int4 (two_phase) for {buckets} buckets" in text
+    # A faster link given on the command line replaces the profile's.
+    assert cli.main([*argv, "--bandwidth", "400gbit", "--latency", "5us"]) == 0
+    assert "link 400 Gbit/s per rank, 5 us per step" in capsys.readouterr().out
+
+
+def test_plan_refuses_what_it_cannot_model(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    profile(GBIT).save(path)
+    argv = ["plan", "--params", "1M", "--world", "4", "--profile", str(path)]
+    assert cli.main([*argv, "--allow", "ternary"]) == 2
+    assert "no measurement of 'ternary'" in capsys.readouterr().err
+    assert cli.main([*argv, "--allow", "powersgd"]) == 2
+    assert "low-rank" in capsys.readouterr().err
+    assert cli.main([*argv[:-1], str(tmp_path / "missing.json")]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--params", "-3"])
+
+
+def test_the_stored_cpu_profile_loads_and_plans():
+    stored = planner.Profile.load(planner.STORED / "cpu.json")
+    if not torch.cuda.is_available():  # the default on a machine without a GPU
+        assert planner.Profile.load() == stored
+    assert set(planner.SAFE) - {"none"} <= set(stored.codecs)
+    plan = planner.choose([BUCKET, 1024], 16, stored.with_link(GBIT))
+    assert plan[0].compressor in ("int8", "int4") and plan[1].compressor in ("none", "bf16")
+    assert plan[1].seconds <= planner.predict("none", 1024, 16, stored.with_link(GBIT)).seconds
