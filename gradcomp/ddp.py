@@ -28,7 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradcomp import ops, streams
+from gradcomp import ops, planner, streams
 from gradcomp.buckets import BucketLayout, BucketLayouts
 from gradcomp.collectives import (
     HIERARCHICAL,
@@ -48,6 +48,9 @@ from gradcomp.feedback import ErrorFeedback
 logger = logging.getLogger(__name__)
 
 _DENSE = NoCompression()
+# compressor="auto" reduces at least this many steps dense: DDP settles its
+# buckets after the first, and the plan is made on the settled ones.
+AUTO_MIN_WARMUP = 2
 
 
 @dataclasses.dataclass
@@ -65,6 +68,8 @@ class StepStats:
             compression over the compressed buckets (NaN when not measured,
             0 for a fully dense step).
         buckets, compressed_buckets: buckets seen, and how many were compressed.
+        compressors: bucket index -> the compressor and algorithm it went
+            through (``"int4 two_phase"``; ``"none dense"`` when dense).
     """
 
     step: int
@@ -76,6 +81,7 @@ class StepStats:
     bytes_sent_inter: int = 0
     buckets: int = 0
     compressed_buckets: int = 0
+    compressors: dict = dataclasses.field(default_factory=dict)
     _error_sq: float = dataclasses.field(default=0.0, repr=False)
     _input_sq: float = dataclasses.field(default=0.0, repr=False)
 
@@ -117,6 +123,20 @@ class HookState:
             default: one more pass over each bucket, and on a GPU a host
             sync per bucket).
         history: how many :class:`StepStats` to keep (oldest dropped).
+        allow: with ``compressor="auto"``: the candidates (default
+            :data:`gradcomp.planner.SAFE`; ``"topk@0.01"``-style or objects).
+        profile: with ``"auto"``: a :class:`gradcomp.planner.Profile` to plan
+            from instead of measuring (every rank's are combined).
+
+    With ``compressor="auto"`` the hook reduces its first ``warmup_steps``
+    steps (at least 2) dense; at the first step after them it measures the
+    group's link at the buckets' sizes and each candidate's compress and
+    decode time on the buckets' device, combines every rank's figures (the
+    slowest of each) and picks per bucket the candidate and algorithm with
+    the least predicted time (:func:`gradcomp.planner.choose`; ``none``
+    included, so small buckets stay dense). :attr:`plan` holds the choice;
+    it is kept in :meth:`state_dict`, so a resumed run reduces as the saved
+    one did.
 
     Example:
         >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
@@ -134,13 +154,18 @@ class HookState:
         "inter_algorithm",
         "measure_error",
         "history",
+        "allow",
+        "profile",
         # progress and residuals
+        "plan",
+        "_sizes",
         "step",
         "feedback",
         "buckets",
         # statistics (written by the collective worker)
         "stats",
         "_open_stats",
+        "_started",
     )
 
     def __init__(
@@ -156,8 +181,29 @@ class HookState:
         residual_dtype: str = "fp32",
         measure_error: bool = False,
         history: int = 10_000,
+        allow=None,
+        profile=None,
     ):
-        self.compressor = get_compressor(compressor)
+        auto = isinstance(compressor, str) and compressor.lower() == "auto"
+        self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
+        if not auto and (allow is not None or profile is not None):
+            raise ValueError("allow and profile are options of compressor='auto'")
+        if auto:
+            if algorithm is not None or node_size is not None or inter_algorithm is not None:
+                raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
+            allow = tuple(planner.SAFE if allow is None else allow)
+            if not allow:
+                raise ValueError("allow names no candidate")
+            planner.options(allow, None)  # unknown names and low-rank ones raise here
+            if profile is not None and not isinstance(profile, planner.Profile):
+                raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
+            warmup_steps = (
+                max(warmup_steps, AUTO_MIN_WARMUP) if isinstance(warmup_steps, int) else warmup_steps
+            )
+        self.allow = allow
+        self.profile = profile
+        self.plan: list | None = None
+        self._sizes: dict[int, int] = {}
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -176,6 +222,7 @@ class HookState:
         self.buckets = BucketLayouts(self.feedback)
         self.stats: list[StepStats] = []
         self._open_stats: dict[int, StepStats] = {}
+        self._started: dict[int, list] = {}  # step -> [buckets started, buckets in the step once known]
         logger.info(
             "gradcomp hook: %r, algorithm=%s, warmup_steps=%d, min_numel=%d, residual_dtype=%s",
             self.compressor,
@@ -193,23 +240,76 @@ class HookState:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         """Step, residuals and bucket layouts; ``torch.save``-able."""
-        return {
+        saved = {
             "step": self.step,
-            "settings": self.compressor.settings(),
+            "settings": self._settings(),
             "feedback": self.feedback.state_dict(),
             **self.buckets.state_dict(),
         }
+        if self.auto:
+            saved["auto_sizes"] = dict(self._sizes)
+            if self.plan is not None:
+                saved["plan"] = [(p.numel, p.compressor, p.algorithm) for p in self.plan]
+        return saved
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output; the next step continues the saved run exactly."""
-        if state["settings"] != self.compressor.settings():
+        if state["settings"] != self._settings():
             raise ValueError(
                 f"checkpoint was saved with compressor settings {state['settings']}, "
-                f"this state has {self.compressor.settings()}"
+                f"this state has {self._settings()}"
             )
+        self._sizes = dict(state.get("auto_sizes", {}))
+        if "plan" in state:
+            self.plan = [
+                planner.Prediction(label, algorithm, numel, 0, 0.0, 0.0)
+                for numel, label, algorithm in state["plan"]
+            ]
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
         self.buckets.load_state_dict(state)
+
+    @property
+    def auto(self) -> bool:
+        """Whether this state chooses its compressors (``compressor="auto"``)."""
+        return self.allow is not None
+
+    def _settings(self) -> dict:
+        if self.auto:
+            return {"name": "auto", "allow": [planner.label(planner.candidate(c)) for c in self.allow]}
+        return self.compressor.settings()
+
+    def make_plan(self, q) -> None:
+        """``compressor="auto"``: measure (or take ``profile``), combine every rank's figures and
+        choose per bucket; runs as a job on the group's worker, so every rank plans at the same point."""
+        sizes = [self._sizes[index] for index in sorted(k for k in self._sizes if k != "step")]
+        if self.profile is None:
+            unique = sorted(set(sizes))
+            profile, _ = planner.probe(unique, self.allow, group=q.group, repeat=3)
+        else:
+            everyone = [None] * q.world_size
+            dist.all_gather_object(everyone, self.profile, group=q.group)
+            profile = planner.combine(everyone)
+        self.plan = planner.choose(sizes, q.world_size, profile, self.allow)
+        logger.info(
+            "gradcomp auto plan: %s",
+            "; ".join(
+                f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.algorithm}, "
+                f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
+                for i, p in enumerate(self.plan)
+            ),
+        )
+
+    def _choice(self, index: int, numel: int) -> tuple[Compressor, str | None]:
+        if not self.auto:
+            return self.compressor, self.algorithm
+        if self.plan is None or index >= len(self.plan) or self.plan[index].numel != numel:
+            raise RuntimeError(
+                f"gradcomp auto: bucket {index} ({numel:,} elements) is not in the plan "
+                f"({[p.numel for p in self.plan or []]}): DDP changed its buckets after the plan was made"
+            )
+        choice = self.plan[index]
+        return planner.candidate(choice.compressor), choice.algorithm
 
     def __getstate__(self):
         # Process groups cannot be pickled; like torch's hooks, drop it.
@@ -224,25 +324,36 @@ class HookState:
     def reduce(self, tensor: torch.Tensor, index: int, layout: BucketLayout, step: int, last: bool, q):
         """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce bucket
         ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
+        # Jobs start in submission order but may finish out of it (a dense bucket
+        # can finish while an earlier one waits on its exchange): the step's
+        # statistics close when as many buckets finished as had started by its last.
+        started = self._started.setdefault(step, [0, None])
+        started[0] += 1
+        if last:
+            started[1] = started[0]
         self.buckets.adopt(index, layout, tensor)
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
+        compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
+        dense = dense or compressor.name == "none"
         job = Job(
             tensor,
-            _DENSE if dense else self.compressor,
+            _DENSE if dense else compressor,
             "avg",
-            "dense" if dense else self.algorithm or default_algorithm(self.compressor, q.world_size),
+            "dense" if dense else algorithm or default_algorithm(compressor, q.world_size),
             None if dense else self.feedback,
             key=index,
             step=step,
             measure_error=self.measure_error and not dense,
-            shapes=self.buckets.shapes_of(layout) if self.compressor.low_rank else None,
+            shapes=self.buckets.shapes_of(layout) if compressor.low_rank else None,
         )
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm
         reduced = yield from job_steps(job, q)
         current = self._open_stats.setdefault(step, StepStats(step))
         current.add(reduced, compressed=not dense)
-        if last:
+        current.compressors[index] = f"{planner.label(job.compressor)} {job.algorithm}"
+        if current.buckets == started[1]:
+            del self._started[step]
             self.stats.append(self._open_stats.pop(step))
             del self.stats[: max(0, len(self.stats) - self.history)]
         return tensor
@@ -346,6 +457,8 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     step = state.step
     if last:
         state.step += 1
+    if state.auto:
+        _plan_when_due(state, q, buffer, index, step)
     if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
         future = streams.new_future(buffer.device)
@@ -356,6 +469,17 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
     return future.then(_value)
+
+
+def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: int) -> None:
+    if step < state.warmup_steps:
+        # The last warm-up step's buckets are the settled ones (DDP rebuilds after its first).
+        if state._sizes.get("step") != step:
+            state._sizes = {"step": step}
+        state._sizes[index] = buffer.numel()
+    elif state.plan is None:
+        state.plan = []  # planned once, by this job, before the step's first bucket reduces
+        q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:
@@ -385,6 +509,7 @@ def register(
 
     Example:
         >>> state = gradcomp.ddp.register(ddp_model, "topk", ratio=0.01, warmup_steps=50)
+        >>> state = gradcomp.ddp.register(ddp_model, "auto", allow=("bf16", "int8", "int4", "topk@0.01"))
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
@@ -395,6 +520,13 @@ def register(
             "process_group differs from the group the DistributedDataParallel model reduces over "
             "(model.process_group): the hook must reduce over the model's group"
         )
-    state = HookState(get_compressor(compressor, **options), **state_options)
+    if isinstance(compressor, str) and compressor.lower() == "auto":
+        if options:
+            raise ValueError(
+                f"compressor='auto' takes no compressor options, got {sorted(options)}: use allow="
+            )
+    else:
+        compressor = get_compressor(compressor, **options)
+    state = HookState(compressor, **state_options)
     model.register_comm_hook(state, hook)
     return state

@@ -190,3 +190,107 @@ def test_the_stored_cpu_profile_loads_and_plans():
     plan = planner.choose([BUCKET, 1024], 16, stored.with_link(GBIT))
     assert plan[0].compressor in ("int8", "int4") and plan[1].compressor in ("none", "bf16")
     assert plan[1].seconds <= planner.predict("none", 1024, 16, stored.with_link(GBIT)).seconds
+
+
+# ----------------------------------------------------------------------------- "auto" in the DDP hook
+
+
+def _auto_body(rank, world_size, bandwidths, steps, resume_at):
+    import io
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+    from gradcomp.collectives import ring_all_reduce_bytes
+
+    def build():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4096))
+        net.append(torch.nn.Linear(4096, 4))
+        return net, DistributedDataParallel(net, bucket_cap_mb=4)
+
+    net, model = build()
+    # Each rank's injected profile differs: the plan must come from their combination.
+    state = ddp.register(model, "auto", warmup_steps=3, profile=profile(bandwidths[rank], overhead=20e-3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 64, generator=generator) for _ in range(steps)]
+    saved = None
+    for step, x in enumerate(batches):
+        if step == resume_at:
+            buffer = io.BytesIO()
+            torch.save(
+                {"model": net.state_dict(), "optim": optimizer.state_dict(), "hook": state.state_dict()},
+                buffer,
+            )
+            saved = buffer.getvalue()
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    finals = [torch.empty_like(final) for _ in range(world_size)]
+    dist.all_gather(finals, final)
+    numel = sum(p.numel() for p in net.parameters())
+    result = dict(
+        plan=[(p.numel, p.compressor, p.algorithm) for p in state.plan],
+        stats=[(s.step, dict(s.compressors), s.bytes_sent) for s in state.stats],
+        dense_bytes=ring_all_reduce_bytes(numel * 4, world_size),
+        replicas_equal=all(torch.equal(finals[0], f) for f in finals),
+        final=final,
+    )
+    # Resume from the checkpoint taken after the plan: the same steps, bit for bit.
+    net, model = build()
+    state = ddp.register(model, "auto", warmup_steps=3, profile=profile(bandwidths[rank], overhead=20e-3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    checkpoint = torch.load(io.BytesIO(saved), weights_only=False)
+    net.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optim"])
+    state.load_state_dict(checkpoint["hook"])
+    for x in batches[resume_at:]:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    result["resumed_equal"] = torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in net.parameters()]), final
+    )
+    return result
+
+
+@pytest.mark.slow
+def test_auto_plans_once_from_every_ranks_figures_and_compresses_the_large_buckets():
+    # Rank 0 sees 10 Gbit/s, rank 1 a 0.1 Gbit/s link: the slower decides, and low bits pay.
+    result = spawn.run_ranks(_auto_body, 2, [10 * GBIT, 0.1 * GBIT], 8, 5, timeout=240)
+    plan = result["plan"]
+    slowest = planner.combine([profile(10 * GBIT, overhead=20e-3), profile(0.1 * GBIT, overhead=20e-3)])
+    expected = planner.choose([n for n, _, _ in plan], 2, slowest)
+    assert plan == [(p.numel, p.compressor, p.algorithm) for p in expected]
+    # Two buckets: the large one in 4 bits, the small one (20 ms to start a codec) dense.
+    assert [p[1] for p in plan] == ["int4", "none"] and plan[0][0] > 2**20 > plan[1][0]
+    # Dense for the 3 warm-up steps, then each bucket through its plan.
+    for step, compressors, sent in result["stats"]:
+        if step < 3:
+            assert set(compressors.values()) == {"none dense"} and sent == result["dense_bytes"]
+        else:
+            assert [compressors[i] for i in range(len(plan))] == [" ".join(p[1:]) for p in plan]
+            assert sent < result["dense_bytes"] / 4
+    assert result["replicas_equal"] and result["resumed_equal"]
+
+
+def test_auto_options_are_checked():
+    from gradcomp import ddp
+
+    with pytest.raises(ValueError, match="unknown compressor"):
+        ddp.HookState("auto", allow=("int3",))
+    with pytest.raises(ValueError, match="low-rank"):
+        ddp.HookState("auto", allow=("int8", "powersgd"))
+    with pytest.raises(ValueError, match="chooses the algorithm"):
+        ddp.HookState("auto", algorithm="allgather")
+    with pytest.raises(ValueError, match="options of compressor='auto'"):
+        ddp.HookState("int8", allow=("int8",))
+    with pytest.raises(TypeError, match="Profile"):
+        ddp.HookState("auto", profile={"link": 1})
+    state = ddp.HookState("auto")
+    assert state.auto and state.warmup_steps == ddp.AUTO_MIN_WARMUP and state.allow == planner.SAFE
+    assert state.state_dict()["settings"] == {"name": "auto", "allow": list(planner.SAFE)}
+    with pytest.raises(ValueError, match="settings"):
+        state.load_state_dict(ddp.HookState("int8").state_dict())

@@ -23,7 +23,7 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     from torch.nn.parallel import DistributedDataParallel
 
     os.chdir(directory)
-    ddp, _, adam, calls, hierarchical = blocks
+    ddp, _, adam, calls, auto, hierarchical = blocks
     # The DDP example, on CPUs: the group is up already, and there is no GPU to move to.
     on_cpu = ddp.replace('dist.init_process_group("nccl")', "pass").replace(
         "net.cuda(), device_ids=[local_rank]", "net"
@@ -63,6 +63,18 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     assert scope["stats"].ratio > 3 and scope["work"].is_completed()
     assert scope["approx"].shape == scope["grad"].shape and scope["payload"].nbytes < 4096
 
+    # "auto": dense for 2 steps, then a plan measured on this group, the same on every rank.
+    model = DistributedDataParallel(torch.nn.Linear(256, 256))
+    scope = {"gradcomp": gradcomp, "model": model}
+    exec(auto, scope)
+    for _ in range(3):
+        model(torch.randn(8, 256, generator=generator)).sum().backward()
+    plan = scope["state"].plan
+    assert len(plan) == 1 and plan[0].numel == 256 * 256 + 256 and plan[0].compressor in gradcomp.planner.SAFE
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, plan)
+    assert all(p == plan for p in everyone)
+
     model = DistributedDataParallel(torch.nn.Linear(64, 64))
     scope = {"gradcomp": gradcomp, "model": model}
     exec(hierarchical, scope)
@@ -73,7 +85,7 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
 @pytest.mark.slow
 def test_readme_snippets_run(tmp_path):
     blocks = python_blocks()
-    assert len(blocks) == 5, "a README snippet was added or removed: run it here too"
+    assert len(blocks) == 6, "a README snippet was added or removed: run it here too"
     run_ranks(_run_snippets, 2, blocks, str(tmp_path))
 
 
