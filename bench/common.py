@@ -95,6 +95,17 @@ def parse_compressor(text: str) -> tuple[str, str, dict]:
         if not equals:
             raise argparse.ArgumentTypeError(f"compressor option {item!r} is not key=value (in {text!r})")
         options[key.strip()] = _literal(value.strip())
+    if name == "auto":  # the DDP hook's planner: "auto" or "auto:allow=bf16|int8|topk@0.01"
+        unknown = sorted(set(options) - {"allow"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"auto takes only allow=NAME|NAME|..., not {unknown}")
+        if "allow" in options:
+            options["allow"] = tuple(str(options["allow"]).split("|"))
+        try:
+            gradcomp.planner.options(options.get("allow", gradcomp.planner.SAFE), None)
+        except (ValueError, TypeError) as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text.strip(), name, options
     try:
         compressor = gradcomp.get_compressor(name, **{k: v for k, v in options.items() if k != "algorithm"})
         if "algorithm" in options:

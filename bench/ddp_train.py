@@ -48,6 +48,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import math
 import os
@@ -248,6 +249,10 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         sent, compress_ms = ring_all_reduce_bytes(round(4 * elements), world_size), math.nan
     else:
         sent, compress_ms = ring_all_reduce_bytes(numel * WIRE_BYTES[run["kind"]], world_size), math.nan
+    note = run.get("note", "")
+    if run.get("name") == "auto":  # what the planner picked, bucket by bucket
+        picks = collections.Counter(f"{p.compressor} {p.algorithm}" for p in state.plan)
+        note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
     with torch.no_grad():
         inputs, labels = samples(12345, 2048, settings)
         loss = F.cross_entropy(net(inputs), labels).item() if run["kind"] != "compute" else math.nan
@@ -256,7 +261,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         kind=run["kind"],
         name=run.get("name", ""),
         options=run.get("options", {}),
-        note=run.get("note", ""),
+        note=note,
         failed="",
         parameters=numel,
         buckets=bucket_count(model),
