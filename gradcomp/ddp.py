@@ -41,6 +41,7 @@ from gradcomp.collectives import (
     hierarchy_for,
     job_steps,
     queue_for,
+    ring_all_reduce_bytes,
 )
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
@@ -159,6 +160,7 @@ class HookState:
         # progress and residuals
         "plan",
         "_sizes",
+        "_planned_at",
         "step",
         "feedback",
         "buckets",
@@ -204,6 +206,7 @@ class HookState:
         self.profile = profile
         self.plan: list | None = None
         self._sizes: dict[int, int] = {}
+        self._planned_at: int | None = None  # the step whose first bucket submitted the plan job
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -260,6 +263,7 @@ class HookState:
                 f"this state has {self._settings()}"
             )
         self._sizes = dict(state.get("auto_sizes", {}))
+        self._planned_at = -1 if "plan" in state else None
         if "plan" in state:
             self.plan = [
                 planner.Prediction(label, algorithm, numel, 0, 0.0, 0.0)
@@ -324,13 +328,7 @@ class HookState:
     def reduce(self, tensor: torch.Tensor, index: int, layout: BucketLayout, step: int, last: bool, q):
         """Steps (see :func:`gradcomp.collectives.job_steps`) that reduce bucket
         ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
-        # Jobs start in submission order but may finish out of it (a dense bucket
-        # can finish while an earlier one waits on its exchange): the step's
-        # statistics close when as many buckets finished as had started by its last.
-        started = self._started.setdefault(step, [0, None])
-        started[0] += 1
-        if last:
-            started[1] = started[0]
+        started = self._start_bucket(step, last)
         self.buckets.adopt(index, layout, tensor)
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
@@ -349,14 +347,36 @@ class HookState:
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm
         reduced = yield from job_steps(job, q)
+        self._finish_bucket(step, index, reduced, f"{planner.label(job.compressor)} {job.algorithm}", started)
+        return tensor
+
+    # Jobs start in submission order but may finish out of it (a dense bucket
+    # can finish while an earlier one waits on its exchange): a step's
+    # statistics close when as many buckets finished as had started by its last.
+    def _start_bucket(self, step: int, last: bool) -> list:
+        started = self._started.setdefault(step, [0, None])
+        started[0] += 1
+        if last:
+            started[1] = started[0]
+        return started
+
+    def _finish_bucket(self, step: int, index: int, reduced: ReduceStats, how: str, started: list) -> None:
         current = self._open_stats.setdefault(step, StepStats(step))
-        current.add(reduced, compressed=not dense)
-        current.compressors[index] = f"{planner.label(job.compressor)} {job.algorithm}"
+        current.add(reduced, compressed=not how.startswith("none "))
+        current.compressors[index] = how
         if current.buckets == started[1]:
             del self._started[step]
             self.stats.append(self._open_stats.pop(step))
             del self.stats[: max(0, len(self.stats) - self.history)]
-        return tensor
+
+    def account_native(
+        self, step: int, index: int, last: bool, numel: int, itemsize: int, world: int
+    ) -> None:
+        """Statistics of a bucket ``"auto"`` sent through torch's own all-reduce (run on the worker,
+        in bucket order, like every other bucket's)."""
+        nbytes = ring_all_reduce_bytes(numel * itemsize, world)
+        reduced = ReduceStats(bytes_sent=nbytes, dense_bytes=nbytes, algorithm="dense")
+        self._finish_bucket(step, index, reduced, "none dense", self._start_bucket(step, last))
 
     def reduce_held(self, step: int, q) -> None:
         """Reduce the buckets held by a resumed run's first iteration
@@ -466,9 +486,32 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         if last:
             q.submit(lambda: state.reduce_held(step, q), buffer.device, name="gradcomp.buckets_held")
         return future.then(_value)
+    if state.auto and _native(state, index, buffer, step):
+        # Planned dense: torch's own all-reduce on the model's group, as DDP
+        # without a hook; only the statistics go through the worker.
+        account = functools.partial(
+            state.account_native, step, index, last, buffer.numel(), buffer.element_size(), q.world_size
+        )
+        q.submit(account, buffer.device, name=f"gradcomp.bucket {index}")
+        buffer.div_(q.world_size)
+        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+        return work.get_future().then(_first)
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
     return future.then(_value)
+
+
+def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bool:
+    # Only from the step after the one that planned: whether the plan job has
+    # finished during its own step depends on timing, which differs by rank.
+    if state._planned_at is None or step <= state._planned_at or index >= len(state.plan):
+        return False
+    choice = state.plan[index]
+    return choice.compressor == "none" and choice.numel == buffer.numel()
+
+
+def _first(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()[0]
 
 
 def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: int) -> None:
@@ -479,6 +522,7 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         state._sizes[index] = buffer.numel()
     elif state.plan is None:
         state.plan = []  # planned once, by this job, before the step's first bucket reduces
+        state._planned_at = step
         q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")
 
 

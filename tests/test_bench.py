@@ -76,7 +76,20 @@ def test_sizes_rates_and_lists_parse():
         "topk",
         {"ratio": 0.1, "exact": True},
     )
-    for bad in ("int9", "topk:ratio", "topk:bogus=1"):
+    assert common.parse_compressor("auto:allow=int8|topk@0.01") == (
+        "auto:allow=int8|topk@0.01",
+        "auto",
+        {"allow": ("int8", "topk@0.01")},
+    )
+    assert common.parse_compressor("auto") == ("auto", "auto", {})
+    for bad in (
+        "int9",
+        "topk:ratio",
+        "topk:bogus=1",
+        "auto:ratio=1",
+        "auto:allow=int8|int9",
+        "auto:allow=powersgd",
+    ):
         with pytest.raises(Exception, match="."):
             common.parse_compressor(bad)
     with pytest.raises(Exception, match="rate"):
@@ -172,7 +185,7 @@ def test_allreduce_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_train_smoke(tmp_path):
-    args = [*TINY_MODEL, "--bucket-cap-mb", "4096", "--compressors", "int8"]
+    args = [*TINY_MODEL, "--bucket-cap-mb", "4096", "--compressors", "int8", "auto:allow=int8"]
     args += ["--baselines", "fp16_hook", "powersgd", "--link-check-bytes", "256KiB", "--rounds", "2"]
     result = run_script("ddp_train.py", *args, "--out", str(tmp_path))
     assert "link check" in result.stdout
@@ -183,8 +196,15 @@ def test_ddp_train_smoke(tmp_path):
         "torch fp16 hook",
         "torch PowerSGD r4",
         "int8",
+        "auto:allow=int8",
     ]
     by_run = {r["run"]: r for r in rows}
+    # auto planned its one bucket (the model's whole 6.9K parameters) as int8 or dense.
+    assert by_run["auto:allow=int8"]["note"] in (
+        "auto: int8 allgather x1",
+        "auto: int8 two_phase x1",
+        "auto: none dense x1",
+    )
     assert all(not r["failed"] for r in rows)
     assert float(by_run["dense"]["ratio"]) == 1.0
     assert float(by_run["torch fp16 hook"]["ratio"]) == 2.0
