@@ -239,6 +239,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     timed = steps - warmup
     inter = math.nan
     if run["kind"] == "gradcomp":
+        state.flush()  # every bucket's statistics recorded
         kept = state.stats[-timed:]
         sent = statistics.mean(s.bytes_sent for s in kept)
         if run["options"].get("algorithm") == "hierarchical":

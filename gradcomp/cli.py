@@ -196,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = parser().parse_args(argv)
     if args.command == "plan":
+        if args.params is None:
+            given = [
+                f"--{k.replace('_', '-')}" for k in ("world", "compute_ms", "profile") if getattr(args, k)
+            ]
+            if given or args.allow != ",".join(planner.SAFE):
+                sys.stderr.write(f"gradcomp plan: {', '.join(given) or '--allow'} needs --params\n")
+                return 2
         return _plan(args) if args.params is None else _decide(args)
     if args.command == "probe":
         return _probe(args)
@@ -284,10 +291,20 @@ def _buckets(params: int, bucket_mb: float) -> list[int]:
 
 
 def _decide(args) -> int:
+    if args.params < 1 or args.bucket_mb <= 0:
+        sys.stderr.write("gradcomp plan: --params must be at least 1 and --bucket-mb positive\n")
+        return 2
     try:
         profile = planner.Profile.load(args.profile)
+    except KeyError as error:
+        sys.stderr.write(f"gradcomp plan: {args.profile} is not a gradcomp profile (no {error})\n")
+        return 2
+    except (OSError, ValueError) as error:
+        sys.stderr.write(f"gradcomp plan: {error}\n")
+        return 2
+    try:
         candidates = [planner.candidate(c) for c in args.allow.split(",") if c.strip()]
-    except (OSError, ValueError, KeyError) as error:
+    except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
     if args.bandwidth is not None or args.latency is not None:
@@ -352,7 +369,7 @@ def _probe(args) -> int:
 
     try:
         specs = [s for s in args.compressors.split(",") if s.strip()]
-        [planner.candidate(s) for s in specs]
+        planner.options(specs, None)  # unknown names and low-rank ones refused here
     except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp probe: {error}\n")
         return 2

@@ -161,6 +161,8 @@ class HookState:
         "plan",
         "_sizes",
         "_planned_at",
+        "_chosen",
+        "_device",
         "step",
         "feedback",
         "buckets",
@@ -193,7 +195,12 @@ class HookState:
         if auto:
             if algorithm is not None or node_size is not None or inter_algorithm is not None:
                 raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
-            allow = tuple(planner.SAFE if allow is None else allow)
+            allow = planner.SAFE if allow is None else allow
+            allow = (
+                tuple(c.strip() for c in allow.split(",") if c.strip())
+                if isinstance(allow, str)
+                else tuple(allow)
+            )
             if not allow:
                 raise ValueError("allow names no candidate")
             planner.options(allow, None)  # unknown names and low-rank ones raise here
@@ -207,6 +214,8 @@ class HookState:
         self.plan: list | None = None
         self._sizes: dict[int, int] = {}
         self._planned_at: int | None = None  # the step whose first bucket submitted the plan job
+        self._chosen: list[Compressor] = []  # the plan's compressors, built once
+        self._device = torch.device("cpu")  # the buckets' (for measuring the codecs)
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -265,10 +274,12 @@ class HookState:
         self._sizes = dict(state.get("auto_sizes", {}))
         self._planned_at = -1 if "plan" in state else None
         if "plan" in state:
-            self.plan = [
-                planner.Prediction(label, algorithm, numel, 0, 0.0, 0.0)
-                for numel, label, algorithm in state["plan"]
-            ]
+            self._adopt_plan(
+                [
+                    planner.Prediction(label, algorithm, numel, 0, 0.0, 0.0)
+                    for numel, label, algorithm in state["plan"]
+                ]
+            )
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
         self.buckets.load_state_dict(state)
@@ -285,16 +296,30 @@ class HookState:
 
     def make_plan(self, q) -> None:
         """``compressor="auto"``: measure (or take ``profile``), combine every rank's figures and
-        choose per bucket; runs as a job on the group's worker, so every rank plans at the same point."""
+        choose per bucket; runs as a job on the group's worker, so every rank plans at the same point.
+
+        The bucket sizes are those the worker reduced in the step before; where
+        it has none of that step (a checkpoint without them), this step stays
+        dense and records them, and the next one plans."""
+        if self._sizes.get("step") != self._planned_at - 1:
+            self.plan, self._planned_at = None, None
+            return
         sizes = [self._sizes[index] for index in sorted(k for k in self._sizes if k != "step")]
-        if self.profile is None:
-            unique = sorted(set(sizes))
-            profile, _ = planner.probe(unique, self.allow, group=q.group, repeat=3)
+        if q.world_size == 1:  # nothing to send: nothing to compress
+            profile = planner.Profile("one rank", planner.scale.Link(1.0, 0.0), {}, 1, "")
+            plan = [planner.predict("none", n, 1, profile) for n in sizes]
         else:
-            everyone = [None] * q.world_size
-            dist.all_gather_object(everyone, self.profile, group=q.group)
-            profile = planner.combine(everyone)
-        self.plan = planner.choose(sizes, q.world_size, profile, self.allow)
+            if self.profile is None:
+                # Measured where the buckets live, at their sizes and a grid below them.
+                device = self._device
+                grid = sorted({*sizes, *(2**k for k in (12, 16, 20) if 2**k < max(sizes))})
+                profile, _ = planner.probe(grid, self.allow, sizes, group=q.group, repeat=5, device=device)
+            else:
+                everyone = [None] * q.world_size
+                dist.all_gather_object(everyone, self.profile, group=q.group)
+                profile = planner.combine(everyone)
+            plan = planner.choose(sizes, q.world_size, profile, self.allow)
+        self._adopt_plan(plan)
         logger.info(
             "gradcomp auto plan: %s",
             "; ".join(
@@ -304,16 +329,26 @@ class HookState:
             ),
         )
 
+    def _adopt_plan(self, plan: list) -> None:
+        self._chosen = [planner.candidate(p.compressor) for p in plan]
+        self.plan = plan
+
     def _choice(self, index: int, numel: int) -> tuple[Compressor, str | None]:
         if not self.auto:
             return self.compressor, self.algorithm
-        if self.plan is None or index >= len(self.plan) or self.plan[index].numel != numel:
+        if not self.plan:  # not planned yet (a step without the sizes to plan from): dense
+            return _DENSE, "dense"
+        if index >= len(self.plan) or self.plan[index].numel != numel:
             raise RuntimeError(
                 f"gradcomp auto: bucket {index} ({numel:,} elements) is not in the plan "
-                f"({[p.numel for p in self.plan or []]}): DDP changed its buckets after the plan was made"
+                f"({[p.numel for p in self.plan]}): DDP changed its buckets after the plan was made"
             )
-        choice = self.plan[index]
-        return planner.candidate(choice.compressor), choice.algorithm
+        return self._chosen[index], self.plan[index].algorithm
+
+    def flush(self) -> None:
+        """Wait until the worker has recorded the statistics of every bucket submitted so far
+        (``auto``'s dense buckets go through torch's all-reduce, their statistics after)."""
+        queue_for(self.process_group).submit(lambda: None, torch.device("cpu")).wait()
 
     def __getstate__(self):
         # Process groups cannot be pickled; like torch's hooks, drop it.
@@ -330,6 +365,12 @@ class HookState:
         ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
         started = self._start_bucket(step, last)
         self.buckets.adopt(index, layout, tensor)
+        if self.auto and not self.plan:
+            # The buckets reduced before the plan: its sizes (DDP settles them after its first step).
+            if self._sizes.get("step") != step:
+                self._sizes = {"step": step}
+            self._sizes[index] = tensor.numel()
+            self._device = tensor.device
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
         dense = dense or compressor.name == "none"
@@ -492,7 +533,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         account = functools.partial(
             state.account_native, step, index, last, buffer.numel(), buffer.element_size(), q.world_size
         )
-        q.submit(account, buffer.device, name=f"gradcomp.bucket {index}")
+        q.submit(account, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
         buffer.div_(q.world_size)
         work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
         return work.get_future().then(_first)
@@ -504,7 +545,12 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bool:
     # Only from the step after the one that planned: whether the plan job has
     # finished during its own step depends on timing, which differs by rank.
-    if state._planned_at is None or step <= state._planned_at or index >= len(state.plan):
+    if state._planned_at is None or step <= state._planned_at or not state.plan or index >= len(state.plan):
+        return False
+    if buffer.is_cuda:
+        # NCCL may deadlock when two communicators' collectives (the model's
+        # group here, the worker's clone there) are issued in orders that
+        # differ between ranks: on GPUs every bucket goes through the worker.
         return False
     choice = state.plan[index]
     return choice.compressor == "none" and choice.numel == buffer.numel()
@@ -515,12 +561,7 @@ def _first(future: torch.futures.Future) -> torch.Tensor:
 
 
 def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: int) -> None:
-    if step < state.warmup_steps:
-        # The last warm-up step's buckets are the settled ones (DDP rebuilds after its first).
-        if state._sizes.get("step") != step:
-            state._sizes = {"step": step}
-        state._sizes[index] = buffer.numel()
-    elif state.plan is None:
+    if step >= state.warmup_steps and state.plan is None:
         state.plan = []  # planned once, by this job, before the step's first bucket reduces
         state._planned_at = step
         q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")

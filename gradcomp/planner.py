@@ -79,7 +79,7 @@ def _number(text: str, spec: str):
         try:
             return float(text)
         except ValueError:
-            raise ValueError(f"{spec!r}: {text!r} is not a number") from None
+            return text  # a string option (index_dtype=int32); the compressor checks it
 
 
 def label(compressor: Compressor) -> str:
@@ -103,8 +103,8 @@ class Linear:
     def fit(numels: list[int], seconds: list[float]) -> Linear:
         """The least-squares line through the points, its overhead at least 0
         and its rate positive."""
-        if len(numels) == 1:
-            return Linear(0.0, min(numels[0] / max(seconds[0], 1e-30), _FASTEST))
+        if len(set(numels)) == 1:  # one size: all rate (the mean time)
+            return Linear(0.0, min(numels[0] / max(statistics.fmean(seconds), 1e-30), _FASTEST))
         mean_n, mean_s = statistics.fmean(numels), statistics.fmean(seconds)
         spread = sum((n - mean_n) ** 2 for n in numels)
         slope = sum((n - mean_n) * (s - mean_s) for n, s in zip(numels, seconds, strict=True)) / spread
@@ -194,20 +194,21 @@ class Prediction:
         return self.exchange_seconds + self.codec_seconds
 
 
-def passes(algorithm: str, world_size: int) -> tuple[float, float]:
-    """Encode and decode passes over a bucket's elements that ``algorithm`` makes on one rank.
+def passes(algorithm: str, world_size: int) -> tuple[float, int, float, int]:
+    """Encode passes over a bucket's elements and encode calls, decode passes
+    and decode calls, that ``algorithm`` makes on one rank.
 
-    dense: encode once, decode the summed payload once; allgather: encode
-    once, decode every rank's payload; two_phase: encode, then re-encode its
-    own reduced chunk (1/W); decode the W-1 chunks it receives and the W it
-    gathers (about two passes).
+    dense: one encode, one decode of the summed payload; allgather: one
+    encode, a decode of every rank's payload; two_phase: an encode, then a
+    re-encode of its own reduced chunk (1/W); decodes of the W-1 chunks it
+    receives and of the W it gathers (about two passes in 2W - 1 calls).
     """
     w = world_size
     if algorithm == "dense":
-        return 1.0, 1.0
+        return 1.0, 1, 1.0, 1
     if algorithm == "allgather":
-        return 1.0, float(w)
-    return 1.0 + 1.0 / w, 2.0 - 1.0 / w
+        return 1.0, 1, float(w), w
+    return 1.0 + 1.0 / w, 2, 2.0 - 1.0 / w, 2 * w - 1
 
 
 def predict(
@@ -228,8 +229,9 @@ def predict(
         codec = 0.0
     else:
         c = profile.codec(compressor)
-        encode, decode = passes(algorithm, world_size)
-        codec = encode * c.encode.seconds(numel) + decode * c.decode.seconds(numel)
+        encode, encode_calls, decode, decode_calls = passes(algorithm, world_size)
+        codec = encode_calls * c.encode.overhead + encode * numel / c.encode.rate
+        codec += decode_calls * c.decode.overhead + decode * numel / c.decode.rate
     return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec)
 
 
@@ -300,23 +302,30 @@ def _median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure_link(sizes: list[int], group=None, repeat: int = 5) -> tuple[scale.Link, list[dict]]:
-    """Time dense fp32 all-reduces of ``sizes`` elements over ``group`` and fit
-    ``steps * latency + bytes / bandwidth`` (the scale model's ring). Every
-    rank must call it; every rank gets the slowest rank's times."""
+def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> tuple[scale.Link, list[dict]]:
+    """Time dense fp32 all-reduces of ``sizes`` elements on ``device`` (default: CUDA for an NCCL
+    group, else CPU) over ``group`` and fit ``steps * latency + bytes / bandwidth`` (the scale
+    model's ring). Every rank must call it; every rank gets the slowest rank's times."""
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = torch.device(device or default_device(group))
     rows = []
-    for numel in sizes:
+    for numel in sorted(set(sizes)):
         tensor = torch.ones(numel, device=device)
         once = functools.partial(_all_reduce_once, tensor, group)
         dist.barrier(group=group)
-        seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64)
+        seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
         rows.append(
             dict(numel=numel, bytes_sent=ring_all_reduce_bytes(numel * 4, world), seconds=seconds.item())
         )
     return fit_link(rows, world), rows
+
+
+def default_device(group=None) -> torch.device:
+    """Where a group's collectives take tensors: the current CUDA device for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _all_reduce_once(tensor: torch.Tensor, group) -> None:
@@ -337,6 +346,8 @@ def _decode_once(compressor: Compressor, payload, out: torch.Tensor) -> None:
 def fit_link(rows: list[dict], world_size: int) -> scale.Link:
     """Least squares of ``seconds = 2 (W-1) latency + bytes_sent / bandwidth`` over the rows."""
     steps = 2 * (world_size - 1)
+    if steps == 0:  # one rank sends nothing: any link will do
+        return scale.Link(_FASTEST, 0.0)
     line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
     return scale.Link(line.rate, line.overhead / steps)
 
@@ -357,19 +368,28 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     return Codec(Linear.fit(sizes, encode), Linear.fit(sizes, decode))
 
 
-def probe(sizes: list[int], compressors, codec_sizes: list[int] | None = None, group=None, repeat: int = 5):
-    """Measure this group's link and, on every rank, each compressor's codec; every rank
-    returns the same :class:`Profile` (the slowest of each measurement) and the link's rows."""
-    link, rows = measure_link(sizes, group, repeat)
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+def probe(
+    sizes: list[int],
+    compressors,
+    codec_sizes: list[int] | None = None,
+    group=None,
+    repeat: int = 5,
+    device=None,
+):
+    """Measure this group's link and, on every rank, each compressor's codec on ``device``
+    (default: CUDA for an NCCL group, else CPU); every rank returns the same
+    :class:`Profile` (the slowest of each measurement) and the link's rows."""
+    device = torch.device(device or default_device(group))
+    link, rows = measure_link(sizes, group, repeat, device)
     codecs = {}
     for spec in compressors:
         compressor = candidate(spec)
         if compressor.name != "none":
-            codecs[label(compressor)] = measure_codec(compressor, codec_sizes or sizes, device, repeat)
+            codecs[label(compressor)] = measure_codec(
+                compressor, sorted(set(codec_sizes or sizes)), device, repeat
+            )
     world = dist.get_world_size(group)
-    mine = Profile(device_name(device), link, codecs, world, f"{backend}, {world} ranks")
+    mine = Profile(device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks")
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     return combine(everyone), rows
