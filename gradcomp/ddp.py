@@ -163,6 +163,7 @@ class HookState:
         "_planned_at",
         "_chosen",
         "_device",
+        "_labels",
         "step",
         "feedback",
         "buckets",
@@ -188,7 +189,7 @@ class HookState:
         allow=None,
         profile=None,
     ):
-        auto = isinstance(compressor, str) and compressor.lower() == "auto"
+        auto = is_auto(compressor)
         self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
         if not auto and (allow is not None or profile is not None):
             raise ValueError("allow and profile are options of compressor='auto'")
@@ -216,6 +217,7 @@ class HookState:
         self._planned_at: int | None = None  # the step whose first bucket submitted the plan job
         self._chosen: list[Compressor] = []  # the plan's compressors, built once
         self._device = torch.device("cpu")  # the buckets' (for measuring the codecs)
+        self._labels: dict[int, tuple] = {}  # id of a compressor -> (it, its label)
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -329,6 +331,14 @@ class HookState:
             ),
         )
 
+    def _label(self, compressor: Compressor) -> str:
+        # Built once per compressor (the state's own, the plan's, _DENSE): labels construct a default one.
+        # The entry keeps the compressor alive, so its id cannot be reused by another.
+        entry = self._labels.get(id(compressor))
+        if entry is None or entry[0] is not compressor:
+            entry = self._labels[id(compressor)] = (compressor, planner.label(compressor))
+        return entry[1]
+
     def _adopt_plan(self, plan: list) -> None:
         self._chosen = [planner.candidate(p.compressor) for p in plan]
         self.plan = plan
@@ -388,7 +398,7 @@ class HookState:
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm
         reduced = yield from job_steps(job, q)
-        self._finish_bucket(step, index, reduced, f"{planner.label(job.compressor)} {job.algorithm}", started)
+        self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {job.algorithm}", started)
         return tensor
 
     # Jobs start in submission order but may finish out of it (a dense bucket
@@ -567,6 +577,11 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")
 
 
+def is_auto(compressor) -> bool:
+    """Whether ``compressor`` asks the hook to choose (``"auto"``)."""
+    return isinstance(compressor, str) and compressor.lower() == "auto"
+
+
 def _value(future: torch.futures.Future) -> torch.Tensor:
     # Re-raised inside a callback, a worker error reaches the training loop
     # with its type and message (a bare failed Future reaches DDP garbled).
@@ -605,7 +620,7 @@ def register(
             "process_group differs from the group the DistributedDataParallel model reduces over "
             "(model.process_group): the hook must reduce over the model's group"
         )
-    if isinstance(compressor, str) and compressor.lower() == "auto":
+    if is_auto(compressor):
         if options:
             raise ValueError(
                 f"compressor='auto' takes no compressor options, got {sorted(options)}: use allow="
