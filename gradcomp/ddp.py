@@ -24,6 +24,8 @@ import inspect
 import io
 import logging
 import math
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ from gradcomp.collectives import (
     drive,
     hierarchy_for,
     job_steps,
+    owner_ranges,
     queue_for,
     ring_all_reduce_bytes,
 )
@@ -52,6 +55,8 @@ _DENSE = NoCompression()
 # compressor="auto" reduces at least this many steps dense: DDP settles its
 # buckets after the first, and the plan is made on the settled ones.
 AUTO_MIN_WARMUP = 2
+# "auto" keeps this many steps of bucket timings (for the drift check).
+_TIMED_STEPS = 256
 
 
 @dataclasses.dataclass
@@ -128,6 +133,14 @@ class HookState:
             :data:`gradcomp.planner.SAFE`; ``"topk@0.01"``-style or objects).
         profile: with ``"auto"``: a :class:`gradcomp.planner.Profile` to plan
             from instead of measuring (every rank's are combined).
+        check_every: with ``"auto"``: every this many steps the ranks compare
+            the observed communication time with the plan's prediction and
+            act on :meth:`replan` and ``replan_every``.
+        drift: with ``"auto"``: re-plan when the observed/predicted ratio of a
+            check's window departs from the first window's after the plan by
+            more than this fraction (either way; None: never).
+        replan_every: with ``"auto"``: re-measure and re-plan at the first
+            check this many steps after the plan (None: only on drift).
 
     With ``compressor="auto"`` the hook reduces its first ``warmup_steps``
     steps (at least 2) dense; at the first step after them it measures the
@@ -135,9 +148,21 @@ class HookState:
     decode time on the buckets' device, combines every rank's figures (the
     slowest of each) and picks per bucket the candidate and algorithm with
     the least predicted time (:func:`gradcomp.planner.choose`; ``none``
-    included, so small buckets stay dense). :attr:`plan` holds the choice;
-    it is kept in :meth:`state_dict`, so a resumed run reduces as the saved
-    one did.
+    included, so small buckets stay dense). :attr:`plan` holds the choice
+    (and, once a check has run, each bucket's observed milliseconds); it is
+    kept in :meth:`state_dict`, so a resumed run reduces as the saved one did.
+
+    Links are shared and change. Every ``check_every`` steps the ranks
+    combine how far each one's communication time has drifted from the
+    prediction: the observed/predicted ratio over the window (the median of
+    its steps) against the ratio of the first window after the plan, which
+    calibrates what the model leaves out (overlap with the backward pass).
+    Past ``drift``, after ``replan_every`` steps, or when :meth:`replan` was
+    called on any rank, the check measures again and plans afresh; the new
+    plan applies from the next step. A bucket whose compressor or algorithm
+    changes carries its residuals: into the next compressor's error
+    feedback, or folded into the bucket's next dense reduction, so nothing
+    compression held back is lost.
 
     Example:
         >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
@@ -157,6 +182,9 @@ class HookState:
         "history",
         "allow",
         "profile",
+        "check_every",
+        "drift",
+        "replan_every",
         # progress and residuals
         "plan",
         "_sizes",
@@ -164,6 +192,14 @@ class HookState:
         "_chosen",
         "_device",
         "_labels",
+        "_adopted_at",
+        "_last",
+        "_pending",
+        "_replanned",
+        "_replan_requested",
+        "_baseline",
+        "_times",
+        "_hooked_step",
         "step",
         "feedback",
         "buckets",
@@ -188,11 +224,22 @@ class HookState:
         history: int = 10_000,
         allow=None,
         profile=None,
+        check_every: int = 10,
+        drift: float | None = 0.5,
+        replan_every: int | None = None,
     ):
         auto = is_auto(compressor)
         self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
-        if not auto and (allow is not None or profile is not None):
-            raise ValueError("allow and profile are options of compressor='auto'")
+        if not auto and (allow is not None or profile is not None or replan_every is not None):
+            raise ValueError("allow, profile and replan_every are options of compressor='auto'")
+        for name, value in (("check_every", check_every), ("replan_every", replan_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if check_every is None:
+            raise ValueError("check_every must be a positive integer, got None")
+        if drift is not None and (type(drift) not in (int, float) or drift <= 0):
+            raise ValueError(f"drift must be a positive fraction or None, got {drift!r}")
+        self.check_every, self.drift, self.replan_every = check_every, drift, replan_every
         if auto:
             if algorithm is not None or node_size is not None or inter_algorithm is not None:
                 raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
@@ -218,6 +265,14 @@ class HookState:
         self._chosen: list[Compressor] = []  # the plan's compressors, built once
         self._device = torch.device("cpu")  # the buckets' (for measuring the codecs)
         self._labels: dict[int, tuple] = {}  # id of a compressor -> (it, its label)
+        self._adopted_at: int | None = None  # the first step every bucket went through the plan
+        self._last: dict[int, tuple] = {}  # bucket -> the (compressor, algorithm) it last went through
+        self._pending = None  # the future of the last check job
+        self._replanned: list | None = None  # a check's new plan, adopted at the next step
+        self._replan_requested = False
+        self._baseline: float | None = None  # observed/predicted in the first window after the plan
+        self._times: dict[int, dict[int, list]] = {}  # step -> bucket -> [hooked, reduced] (perf_counter)
+        self._hooked_step = -1
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -263,7 +318,13 @@ class HookState:
         if self.auto:
             saved["auto_sizes"] = dict(self._sizes)
             if self.plan is not None:
-                saved["plan"] = [(p.numel, p.compressor, p.algorithm) for p in self.plan]
+                saved["plan"] = _saved_plan(self.plan)
+                saved["auto_adopted_at"] = self._adopted_at
+                saved["auto_last"] = {i: (self._label(c), a) for i, (c, a) in self._last.items()}
+                if self._pending is not None:
+                    self._pending.wait()  # a check of the step just ended: its plan applies from the next
+                if self._replanned is not None:
+                    saved["next_plan"] = _saved_plan(self._replanned)
         return saved
 
     def load_state_dict(self, state: dict) -> None:
@@ -275,13 +336,15 @@ class HookState:
             )
         self._sizes = dict(state.get("auto_sizes", {}))
         self._planned_at = -1 if "plan" in state else None
+        self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
         if "plan" in state:
-            self._adopt_plan(
-                [
-                    planner.Prediction(label, algorithm, numel, 0, 0.0, 0.0)
-                    for numel, label, algorithm in state["plan"]
-                ]
-            )
+            self._adopt_plan(_loaded_plan(state["plan"]))
+            self._adopted_at = state.get("auto_adopted_at", int(state["step"]))
+            self._last = {
+                i: (planner.candidate(label), a) for i, (label, a) in state.get("auto_last", {}).items()
+            }
+            if "next_plan" in state:
+                self._replanned = _loaded_plan(state["next_plan"])
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
         self.buckets.load_state_dict(state)
@@ -307,29 +370,92 @@ class HookState:
             self.plan, self._planned_at = None, None
             return
         sizes = [self._sizes[index] for index in sorted(k for k in self._sizes if k != "step")]
+        self._adopt_plan(self._choose(q, sizes))
+        self._adopted_at = self._planned_at + 1  # the planning step's CPU dense buckets went natively
+        logger.info("gradcomp auto plan: %s", _described(self.plan))
+
+    def _choose(self, q, sizes: list[int]) -> list:
+        """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles."""
         if q.world_size == 1:  # nothing to send: nothing to compress
             profile = planner.Profile("one rank", planner.scale.Link(1.0, 0.0), {}, 1, "")
-            plan = [planner.predict("none", n, 1, profile) for n in sizes]
+            return [planner.predict("none", n, 1, profile) for n in sizes]
+        if self.profile is None:
+            # Measured where the buckets live, at their sizes and a grid below them.
+            grid = sorted({*sizes, *(2**k for k in (12, 16, 20) if 2**k < max(sizes))})
+            profile, _ = planner.probe(grid, self.allow, sizes, group=q.group, repeat=5, device=self._device)
         else:
-            if self.profile is None:
-                # Measured where the buckets live, at their sizes and a grid below them.
-                device = self._device
-                grid = sorted({*sizes, *(2**k for k in (12, 16, 20) if 2**k < max(sizes))})
-                profile, _ = planner.probe(grid, self.allow, sizes, group=q.group, repeat=5, device=device)
-            else:
-                everyone = [None] * q.world_size
-                dist.all_gather_object(everyone, self.profile, group=q.group)
-                profile = planner.combine(everyone)
-            plan = planner.choose(sizes, q.world_size, profile, self.allow)
+            everyone = [None] * q.world_size
+            dist.all_gather_object(everyone, self.profile, group=q.group)
+            profile = planner.combine(everyone)
+        return planner.choose(sizes, q.world_size, profile, self.allow)
+
+    def replan(self) -> None:
+        """Measure and plan afresh at the next check (every ``check_every`` steps; ``"auto"`` only).
+
+        Safe to call on one rank: every rank joins the check, and the request of
+        any rank re-plans on all of them."""
+        if not self.auto:
+            raise RuntimeError("replan() is for compressor='auto'")
+        self._replan_requested = True
+
+    def _check(self, q, deviation: float, forced: bool) -> None:
+        """(worker) Every rank's drift and requests combined; a new plan when due, for the next step."""
+        flags = torch.tensor([deviation, float(forced)], dtype=torch.float64)
+        flags = flags.to(planner.default_device(q.group))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=q.group)
+        worst, forced = flags.tolist()
+        drifted = self.drift is not None and worst > self.drift
+        if forced or drifted:
+            self._replanned = self._choose(q, [p.numel for p in self.plan])
+            why = f"drift {worst:.0%} past {self.drift:.0%}" if drifted else "requested"
+            logger.info("gradcomp auto re-plans (%s): %s", why, _described(self._replanned))
+
+    def _switch(self, step: int) -> None:
+        """(hook, first bucket of ``step``) Adopt the plan the last check made."""
+        plan, self._replanned = self._replanned, None
+        changed = [
+            f"bucket {i}: {old.compressor} {old.algorithm} -> {new.compressor} {new.algorithm}"
+            for i, (old, new) in enumerate(zip(self.plan, plan, strict=True))
+            if (old.compressor, old.algorithm) != (new.compressor, new.algorithm)
+        ]
+        if changed:
+            logger.info("gradcomp auto plan changes from step %d: %s", step, "; ".join(changed))
         self._adopt_plan(plan)
-        logger.info(
-            "gradcomp auto plan: %s",
-            "; ".join(
-                f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.algorithm}, "
-                f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
+        self._adopted_at, self._baseline = step, None
+
+    def _observe(self, step: int) -> float:
+        """(hook, at a check) How far this rank's communication drifted from the plan, as a fraction
+        (-1 when unknown, or on the first window after a plan, which calibrates).
+
+        A step's communication time is the time some bucket was between its hook
+        and its result; a bucket's share is what it added to that time."""
+        window = range(step - self.check_every, step)
+        ratios, shares = [], {}
+        predicted = sum(p.seconds for p in self.plan)
+        for s in window:
+            times = self._times.get(s, {})
+            if len(times) != len(self.plan) or any(t[1] is None for t in times.values()):
+                continue
+            total, free = 0.0, -math.inf
+            for index, (hooked, reduced) in sorted(times.items(), key=lambda item: item[1][0]):
+                share = max(0.0, reduced - max(hooked, free))
+                shares.setdefault(index, []).append(share)
+                total, free = total + share, max(free, reduced)
+            ratios.append(total / predicted if predicted > 0 else math.nan)
+        for old in [s for s in self._times if s < step - _TIMED_STEPS]:
+            del self._times[old]
+        if shares:
+            self.plan = [
+                dataclasses.replace(p, observed_seconds=statistics.median(shares[i])) if i in shares else p
                 for i, p in enumerate(self.plan)
-            ),
-        )
+            ]
+        ratio = statistics.median(ratios) if ratios else math.nan
+        if not ratio > 0 or math.isinf(ratio):
+            return -1.0
+        if self._baseline is None:
+            self._baseline = ratio
+            return -1.0
+        return max(ratio / self._baseline, self._baseline / ratio) - 1.0
 
     def _label(self, compressor: Compressor) -> str:
         # Built once per compressor (the state's own, the plan's, _DENSE): labels construct a default one.
@@ -384,11 +510,15 @@ class HookState:
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
         dense = dense or compressor.name == "none"
+        compressor = _DENSE if dense else compressor
+        algorithm = "dense" if dense else algorithm or default_algorithm(compressor, q.world_size)
+        if self.auto:
+            self._carry(index, tensor, compressor, algorithm, q)
         job = Job(
             tensor,
-            _DENSE if dense else compressor,
+            compressor,
             "avg",
-            "dense" if dense else algorithm or default_algorithm(compressor, q.world_size),
+            algorithm,
             None if dense else self.feedback,
             key=index,
             step=step,
@@ -400,6 +530,28 @@ class HookState:
         reduced = yield from job_steps(job, q)
         self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {job.algorithm}", started)
         return tensor
+
+    def _carry(self, index: int, tensor: torch.Tensor, compressor: Compressor, algorithm: str, q) -> None:
+        """(worker) Before bucket ``index`` first goes through another compressor or
+        algorithm: the owner's residual of a two-phase reduction is added to this
+        rank's input where it owned (times the ranks: the hook averages), and the
+        sender's residual too where the new compressor keeps none; so the next
+        reduction sends what compression held back."""
+        previous, self._last[index] = self._last.get(index), (compressor, algorithm)
+        now = (self._label(compressor), algorithm)
+        if previous is None or (self._label(previous[0]), previous[1]) == now:
+            return
+        flat = tensor.view(-1)
+        owner = self.feedback.pop(("two_phase", index))
+        if owner is not None:
+            at = 0
+            for start, end in owner_ranges(*previous, flat.numel(), q.world_size, q.rank, flat.device):
+                flat[start:end].add_(owner[at : at + end - start].to(flat.dtype), alpha=q.world_size)
+                at += end - start
+        if compressor.name == "none" or not compressor.needs_feedback:
+            sender = self.feedback.pop(index)
+            if sender is not None:
+                flat.add_(sender.to(flat.dtype))
 
     # Jobs start in submission order but may finish out of it (a dense bucket
     # can finish while an earlier one waits on its exchange): a step's
@@ -427,6 +579,7 @@ class HookState:
         in bucket order, like every other bucket's)."""
         nbytes = ring_all_reduce_bytes(numel * itemsize, world)
         reduced = ReduceStats(bytes_sent=nbytes, dense_bytes=nbytes, algorithm="dense")
+        self._last[index] = (_DENSE, "dense")
         self._finish_bucket(step, index, reduced, "none dense", self._start_bucket(step, last))
 
     def reduce_held(self, step: int, q) -> None:
@@ -437,6 +590,25 @@ class HookState:
             drive(self.reduce(flat, index, layout, step, last, q))
 
         self.buckets.reduce_held(reduce)
+
+
+def _saved_plan(plan: list) -> list:
+    return [
+        (p.numel, p.compressor, p.algorithm, p.bytes_sent, p.exchange_seconds, p.codec_seconds) for p in plan
+    ]
+
+
+def _loaded_plan(saved: list) -> list:
+    # Plans saved before their predictions were kept have three fields.
+    return [planner.Prediction(c, a, n, *(rest or (0, 0.0, 0.0))) for n, c, a, *rest in saved]
+
+
+def _described(plan: list) -> str:
+    return "; ".join(
+        f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.algorithm}, "
+        f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
+        for i, p in enumerate(plan)
+    )
 
 
 class Checkpointable:
@@ -528,8 +700,11 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     step = state.step
     if last:
         state.step += 1
+    timed = None
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
+        if state._adopted_at is not None:
+            timed = state._times.setdefault(step, {})[index] = [time.perf_counter(), None]
     if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
         future = streams.new_future(buffer.device)
@@ -546,10 +721,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         q.submit(account, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
         buffer.div_(q.world_size)
         work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        return work.get_future().then(_first)
+        return work.get_future().then(functools.partial(_done, timed, 0))
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
-    return future.then(_value)
+    return future.then(_value if timed is None else functools.partial(_done, timed, None))
 
 
 def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bool:
@@ -563,11 +738,20 @@ def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bo
         # differ between ranks: on GPUs every bucket goes through the worker.
         return False
     choice = state.plan[index]
-    return choice.compressor == "none" and choice.numel == buffer.numel()
+    if choice.compressor != "none" or choice.numel != buffer.numel():
+        return False
+    # A bucket that was compressed until this plan goes once more through the
+    # worker, which folds its residuals into this reduction (HookState._carry).
+    return index not in state.feedback and ("two_phase", index) not in state.feedback
 
 
-def _first(future: torch.futures.Future) -> torch.Tensor:
-    return future.value()[0]
+def _done(timed: list | None, item: int | None, future: torch.futures.Future) -> torch.Tensor:
+    # A bucket's result: when it came (for auto's drift check), then the tensor
+    # (torch's all-reduce gives a list of one).
+    if timed is not None:
+        timed[1] = time.perf_counter()
+    value = future.value()
+    return value if item is None else value[item]
 
 
 def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: int) -> None:
@@ -575,6 +759,24 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         state.plan = []  # planned once, by this job, before the step's first bucket reduces
         state._planned_at = step
         q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")
+        return
+    if state._hooked_step == step or state._adopted_at is None or step <= state._planned_at:
+        return
+    # The first bucket of a step after the plan: the step boundary, where plans change.
+    state._hooked_step = step
+    if state._pending is not None:
+        state._pending.wait()  # the check of the step before (what it measures takes a while)
+        state._pending = None
+    if state._replanned is not None:
+        state._switch(step)
+    since = step - state._adopted_at
+    if since == 0 or since % state.check_every:
+        return
+    # A check, at the same steps on every rank: each brings its drift and requests.
+    forced = state._replan_requested or (state.replan_every is not None and since >= state.replan_every)
+    state._replan_requested = False
+    check = functools.partial(state._check, q, state._observe(step), forced)
+    state._pending = q.submit(check, buffer.device, name="gradcomp.check")
 
 
 def is_auto(compressor) -> bool:
@@ -601,9 +803,9 @@ def register(
 
     ``options`` holds both :class:`HookState` options (``warmup_steps``,
     ``min_numel``, ``process_group``, ``algorithm``, ``node_size``,
-    ``inter_algorithm``, ``residual_dtype``,
-    ``measure_error``, ``history``) and the compressor's own (``ratio``,
-    ``block``, ...). The hook reduces over the group the model was built on
+    ``inter_algorithm``, ``residual_dtype``, ``measure_error``, ``history``;
+    with ``"auto"``: ``allow``, ``profile``, ``check_every``, ``drift``,
+    ``replan_every``) and the compressor's own (``ratio``, ``block``, ...). The hook reduces over the group the model was built on
     (``DistributedDataParallel(..., process_group=...)``); a
     ``process_group`` given here must be that group.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import statistics
 import time
@@ -188,6 +189,8 @@ class Prediction:
     bytes_sent: int
     exchange_seconds: float
     codec_seconds: float
+    # Filled in by the DDP hook's "auto" as it runs; not part of what a prediction is.
+    observed_seconds: float = dataclasses.field(default=math.nan, compare=False)
 
     @property
     def seconds(self) -> float:

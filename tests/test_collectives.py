@@ -237,9 +237,14 @@ def _feedback_loses_nothing(rank: int, world_size: int) -> None:
                     # The chunk owner's server residual took part of the sum too.
                     key = ("two_phase", gradcomp.collectives.key_of("g"))
                     old = before.get(key, torch.zeros_like(memory.get(key)))
-                    start, end = chunk_bounds(2049, world_size, getattr(compressor, "block", 1))[rank]
-                    kept_here = torch.zeros(2049, dtype=torch.float64)
-                    kept_here[start:end] = (memory.get(key) - old).double()
+                    kept_here, at = torch.zeros(2049, dtype=torch.float64), 0
+                    owned = gradcomp.collectives.owner_ranges(
+                        compressor, algorithm, 2049, world_size, rank, result.device
+                    )
+                    for start, end in owned:
+                        kept_here[start:end] = (memory.get(key) - old)[at : at + end - start].double()
+                        at += end - start
+                    assert at == memory.get(key).numel() and (owned or at == 0)
                     sent -= world_size * torch.stack(gather(kept_here)).sum(0)
                 torch.testing.assert_close(
                     result.double() * world_size, sent, rtol=1e-5, atol=1e-4, msg=f"{name}/{algorithm}"

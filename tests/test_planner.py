@@ -301,6 +301,15 @@ def test_auto_options_are_checked():
         ddp.HookState("int8", allow=("int8",))
     with pytest.raises(TypeError, match="Profile"):
         ddp.HookState("auto", profile={"link": 1})
+    with pytest.raises(ValueError, match="options of compressor='auto'"):
+        ddp.HookState("int8", replan_every=100)
+    bad_options = [{"check_every": 0}, {"check_every": None}, {"replan_every": 1.5}]
+    bad_options += [{"drift": 0}, {"drift": "x"}]
+    for bad in bad_options:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ddp.HookState("auto", **bad)
+    with pytest.raises(RuntimeError, match="auto"):
+        ddp.HookState("int8").replan()
     state = ddp.HookState("auto")
     assert state.auto and state.warmup_steps == ddp.AUTO_MIN_WARMUP and state.allow == planner.SAFE
     assert state.state_dict()["settings"] == {"name": "auto", "allow": list(planner.SAFE)}
@@ -340,3 +349,148 @@ def test_auto_without_the_bucket_sizes_plans_a_step_later_and_one_rank_stays_den
     assert [set(s.values()) for s in stats] == [{"none dense"}, {"int4 allgather"}, {"int4 allgather"}]
     one, plan, stats = spawn.run_ranks(_auto_edge_body, 1, timeout=120)
     assert plan == [(64 * 64 + 64, "none")] and stats[-1] == {0: "none dense"}
+
+
+# ----------------------------------------------------------------------------- re-planning
+
+
+def _codecs(**rates):
+    """A profile's codecs: each named compressor at its rate (elements a second), 50 us a call."""
+    return {name: planner.Codec(*[planner.Linear(50e-6, rate)] * 2) for name, rate in rates.items()}
+
+
+# Three links and codec sets: int4 pays on the first, Top-K on the second (int4 and int8
+# slow to encode there), dense on the third (fast, every codec costly to start).
+REPLAN_PROFILES = [
+    planner.Profile("a", scale.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e9, int4=1e9, topk=1e5), 3),
+    planner.Profile("b", scale.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e6, int4=1e6, topk=1e9), 3),
+    planner.Profile("c", scale.Link(100 * GBIT, 1e-6), _codecs(int8=1e6, int4=1e6, topk=1e6), 3),
+]
+
+
+def _replan_body(rank, world_size, steps, periodic):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+    from gradcomp.collectives import two_phase
+
+    two_phase.SEGMENT_ELEMENTS = 2**12  # several segments: the owner's chunks lie apart
+    torch.manual_seed(0)
+    net = torch.nn.Linear(128, 512)
+    model = DistributedDataParallel(net)
+    allow = ("int8", "int4", "topk")
+    every = 2 if periodic else None
+    first = REPLAN_PROFILES[0]
+    state = ddp.register(
+        model, "auto", allow=allow, profile=first, warmup_steps=2, check_every=2, replan_every=every
+    )
+    # A linear loss: every step's gradient is the same, so error feedback must deliver
+    # steps * lr * (their mean) in all, whatever the compressors did on the way.
+    generator = torch.Generator().manual_seed(rank)
+    x, c = torch.randn(16, 128, generator=generator), torch.randn(16, 512, generator=generator)
+    start = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+    mean_grad = torch.cat([(c.T @ x).reshape(-1), c.sum(0)]).double()
+    dist.all_reduce(mean_grad)
+    mean_grad /= world_size
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    plans, gaps = {}, {}
+    for step in range(steps):
+        # Requests from one rank at a time: every rank re-plans at the next check
+        # (periodic: every check re-plans).
+        if step == 4:
+            state.profile = REPLAN_PROFILES[1]
+            if rank == 0 and not periodic:
+                state.replan()
+        if step == 6:
+            state.profile = REPLAN_PROFILES[2]
+            if rank == world_size - 1 and not periodic:
+                state.replan()
+        optimizer.zero_grad()
+        (model(x) * c).sum().backward()
+        optimizer.step()
+        now = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).double()
+        gaps[step] = (now - (start.double() - 0.5 * (step + 1) * mean_grad)).norm().item()
+        plans[step] = [(p.compressor, p.algorithm) for p in state.plan] if state.plan else None
+    state.flush()
+    final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    finals = [torch.empty_like(final) for _ in range(world_size)]
+    dist.all_gather(finals, final)
+    return dict(
+        stats=[(s.step, s.compressors[0]) for s in state.stats],
+        gaps=gaps,
+        scale=(0.5 * steps * mean_grad).norm().item(),
+        residuals=list(state.feedback.keys()),
+        replicas_equal=all(torch.equal(finals[0], f) for f in finals),
+        observed=[p.observed_seconds for p in state.plan],
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("periodic", [False, True], ids=["requested", "replan_every"])
+def test_a_plan_change_mid_run_carries_the_residuals_and_loses_nothing(periodic):
+    result = spawn.run_ranks(_replan_body, 3, 12, periodic, timeout=240)
+    # Planned at step 2 (its buckets on the worker already go through the plan);
+    # rank 0's request at step 4 (or replan_every=2) re-plans at the check of
+    # step 5, the new plan applies from step 6; rank 2's at step 6 re-plans at
+    # step 8 (checks come every 2 steps after a plan), from step 9.
+    expected = ["none dense"] * 2 + ["int4 two_phase"] * 4 + ["topk allgather"] * 3 + ["none dense"] * 3
+    assert [how for _, how in result["stats"]] == expected
+    # While compressed, what error feedback holds back is far from zero;
+    # int4's residuals carried into Top-K's feedback,
+    # and the first dense step sends them all: the run has moved exactly as
+    # many gradients as it took (up to fp32 rounding), and no residual is left.
+    gaps, scale_ = result["gaps"], result["scale"]
+    assert gaps[1] < 1e-7 * scale_ and min(gaps[s] for s in range(2, 9)) > 0.01 * scale_
+    assert max(gaps[s] for s in range(9, 12)) < 1e-6 * scale_
+    assert result["residuals"] == [] and result["replicas_equal"]
+    assert all(0 < t < 5 for t in result["observed"])
+
+
+def _drift_body(rank, world_size, steps, slow_from):
+    import logging
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    ddp.logger.addHandler(handler)
+    ddp.logger.setLevel(logging.INFO)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(512, 2048)
+    model = DistributedDataParallel(net)
+    # Planned on a claimed 100 Gbit/s link: dense.
+    fast = profile(100 * GBIT, overhead=20e-3)
+    state = ddp.register(model, "auto", profile=fast, warmup_steps=2, check_every=3)
+    all_reduce = dist.all_reduce
+
+    def slow_all_reduce(tensor, *args, **kwargs):  # a dense link of 20 MB/s from now on
+        time.sleep(tensor.numel() * tensor.element_size() / 20e6)
+        return all_reduce(tensor, *args, **kwargs)
+
+    for step in range(steps):
+        if step == slow_from:
+            dist.all_reduce = slow_all_reduce
+            state.profile = None  # the next plan measures
+        model(torch.randn(4, 512)).sum().backward()
+        if step == 9:
+            observed = [p.observed_seconds for p in state.plan]  # of the old plan, at the check of step 9
+    state.flush()
+    dist.all_reduce = all_reduce
+    return [s.compressors[0] for s in state.stats], said, observed
+
+
+@pytest.mark.slow
+def test_auto_notices_a_slower_link_and_re_plans_from_new_measurements():
+    hows, said, observed = spawn.run_ranks(_drift_body, 2, 12, 6, timeout=240)
+    # Checks at steps 6 (the first window after the plan: calibrates) and 9
+    # (steps 6-8, on the slower link: drift), the new plan from step 10.
+    assert hows[:10] == ["none dense"] * 10
+    assert all(how.split()[0] in ("int8", "int4") for how in hows[10:]), hows
+    assert any("re-plans (drift" in line for line in said) and not any("requested" in line for line in said)
+    assert any("plan changes from step 10" in line for line in said)
+    # What the plan says it observed on the slower link: at least the 0.2 s its 4 MB take.
+    assert observed[0] >= 0.2

@@ -33,6 +33,7 @@ from gradcomp.collectives.algorithms import (
     check_algorithm,
     default_algorithm,
     job_steps,
+    owner_ranges,
 )
 from gradcomp.collectives.hierarchical import Hierarchy, check_node_size, hierarchy_for
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
@@ -69,6 +70,7 @@ __all__ = [
     "hierarchy_for",
     "job_steps",
     "key_of",
+    "owner_ranges",
     "queue_for",
     "release_queues",
     "resolve_op",

@@ -28,7 +28,7 @@ from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
 from gradcomp.collectives.hierarchical import Hierarchy, hierarchical
 from gradcomp.collectives.low_rank import low_rank
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
-from gradcomp.collectives.two_phase import two_phase
+from gradcomp.collectives.two_phase import chunk_bounds, two_phase, two_phase_segments
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor
 from gradcomp.feedback import ErrorFeedback
@@ -153,6 +153,26 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     if work is not tensor:
         tensor.copy_(work)
     return stats
+
+
+def owner_ranges(
+    compressor: Compressor, algorithm: str, numel: int, world_size: int, rank: int, device: torch.device
+) -> list[tuple[int, int]]:
+    """Where a ``two_phase`` owner's residual (key ``("two_phase", key)``) sits in
+    the tensor, in the residual's order: the chunks ``rank`` owns. Empty for the
+    other algorithms, which keep no owner's residual."""
+    if algorithm != "two_phase" or world_size == 1 or compressor.low_rank:
+        return []
+    if compressor.sparse:
+        start, end = chunk_bounds(numel, world_size, 1)[rank]
+        return [(start, end)] if end > start else []
+    align = getattr(compressor, "block", 1)
+    ranges = []
+    for start, end in two_phase_segments(numel, world_size, align, device):
+        own_start, own_end = chunk_bounds(end - start, world_size, align)[rank]
+        if own_end > own_start:
+            ranges.append((start + own_start, start + own_end))
+    return ranges
 
 
 def _local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
