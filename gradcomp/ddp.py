@@ -243,17 +243,7 @@ class HookState:
         if auto:
             if algorithm is not None or node_size is not None or inter_algorithm is not None:
                 raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
-            allow = planner.SAFE if allow is None else allow
-            allow = (
-                tuple(c.strip() for c in allow.split(",") if c.strip())
-                if isinstance(allow, str)
-                else tuple(allow)
-            )
-            if not allow:
-                raise ValueError("allow names no candidate")
-            planner.options(allow, None)  # unknown names and low-rank ones raise here
-            if profile is not None and not isinstance(profile, planner.Profile):
-                raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
+            allow = planner.checked_candidates(allow, profile)
             warmup_steps = (
                 max(warmup_steps, AUTO_MIN_WARMUP) if isinstance(warmup_steps, int) else warmup_steps
             )
@@ -781,7 +771,7 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
 
 def is_auto(compressor) -> bool:
     """Whether ``compressor`` asks the hook to choose (``"auto"``)."""
-    return isinstance(compressor, str) and compressor.lower() == "auto"
+    return isinstance(compressor, str) and planner.is_auto(compressor)
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:
@@ -805,7 +795,8 @@ def register(
     ``min_numel``, ``process_group``, ``algorithm``, ``node_size``,
     ``inter_algorithm``, ``residual_dtype``, ``measure_error``, ``history``;
     with ``"auto"``: ``allow``, ``profile``, ``check_every``, ``drift``,
-    ``replan_every``) and the compressor's own (``ratio``, ``block``, ...). The hook reduces over the group the model was built on
+    ``replan_every``) and the compressor's own (``ratio``, ``block``, ...).
+    The hook reduces over the group the model was built on
     (``DistributedDataParallel(..., process_group=...)``); a
     ``process_group`` given here must be that group.
 

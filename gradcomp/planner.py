@@ -12,6 +12,7 @@ predicted time, so a bucket below the break-even size stays dense.
 :func:`measure_link` and :func:`measure_codec` make a profile on this
 machine (``python -m gradcomp probe``); :func:`combine` makes every rank's
 measurements one profile (the slowest of each), so every rank chooses alike.
+:class:`Auto` is ``gradcomp.all_reduce(tensor, "auto")``'s planner.
 
 Example:
     >>> profile = planner.Profile.load()  # the stored profile of this kind of machine
@@ -281,6 +282,90 @@ def combine(profiles: list[Profile]) -> Profile:
                 *(_slowest([getattr(p.codecs[key], w) for p in profiles]) for w in ("encode", "decode"))
             )
     return dataclasses.replace(first, link=link, codecs=codecs)
+
+
+# ----------------------------------------------------------------------------- all_reduce(t, "auto")
+
+
+class Auto:
+    """``gradcomp.all_reduce(tensor, Auto(...))``: the compressor and algorithm chosen per tensor size.
+
+    The first call on a group measures its link and the candidates' codecs on
+    the tensor's device (every rank, on the group's worker, in call order:
+    like any collective, every rank must make the same calls), at the
+    tensor's size and a grid below it, or takes ``profile``; every rank's
+    figures combine, so every rank chooses alike. Each new size is then
+    planned from those lines (:func:`choose`) and keeps its choice;
+    :attr:`plans` holds them per group. ``gradcomp.all_reduce(t, "auto")``
+    uses one shared instance with the :data:`SAFE` candidates.
+
+    Args:
+        allow: the candidates (default :data:`SAFE`; ``"topk@0.01"``-style or objects).
+        profile: a :class:`Profile` to plan from instead of measuring.
+
+    Example:
+        >>> auto = planner.Auto(allow=("bf16", "int8", "int4", "topk@0.01"))
+        >>> stats = gradcomp.all_reduce(grad, auto)
+        >>> auto.plans  # {group: {numel: Prediction}}
+    """
+
+    def __init__(self, allow=SAFE, profile: Profile | None = None):
+        self.allow, self.profile = checked_candidates(allow, profile), profile
+        self.profiles: dict = {}  # group -> the combined profile
+        self.plans: dict = {}  # group -> numel -> Prediction
+        self._chosen: dict = {}  # label -> Compressor
+
+    def settings(self) -> dict:
+        return {"name": "auto", "allow": [label(candidate(c)) for c in self.allow]}
+
+    def choice(self, q, tensor: torch.Tensor) -> tuple[Compressor, str, str]:
+        """(on ``q``'s worker) The compressor, algorithm and label for ``tensor`` on ``q``'s group."""
+        plans = self.plans.setdefault(q.group, {})
+        plan = plans.get(tensor.numel())
+        if plan is None:
+            if q.world_size == 1:
+                one = Profile("one rank", scale.Link(1.0, 0.0), {}, 1, "")
+                plan = predict("none", tensor.numel(), 1, one)
+            else:
+                plan = choose([tensor.numel()], q.world_size, self._profile(q, tensor), self.allow)[0]
+            plans[tensor.numel()] = plan
+        compressor = self._chosen.get(plan.compressor)
+        if compressor is None:
+            compressor = self._chosen[plan.compressor] = candidate(plan.compressor)
+        return compressor, plan.algorithm, plan.compressor
+
+    def _profile(self, q, tensor: torch.Tensor) -> Profile:
+        found = self.profiles.get(q.group)
+        if found is None:
+            if self.profile is None:
+                numel = tensor.numel()
+                grid = sorted({numel, *(2**k for k in (12, 16, 20) if 2**k < numel)})
+                found, _ = probe(grid, self.allow, grid, group=q.group, device=tensor.device)
+            else:
+                everyone = [None] * q.world_size
+                dist.all_gather_object(everyone, self.profile, group=q.group)
+                found = combine(everyone)
+            self.profiles[q.group] = found
+        return found
+
+
+def checked_candidates(allow, profile: Profile | None = None) -> tuple:
+    """``allow`` as a tuple (a string splits at commas), checked; ``profile`` checked too."""
+    allow = SAFE if allow is None else allow
+    if isinstance(allow, str):
+        allow = [c.strip() for c in allow.split(",") if c.strip()]
+    allow = tuple(allow)
+    if not allow:
+        raise ValueError("allow names no candidate")
+    options(allow, None)  # unknown names and low-rank ones raise here
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
+    return allow
+
+
+def is_auto(compressor) -> bool:
+    """Whether ``compressor`` asks gradcomp to choose (``"auto"`` or an :class:`Auto`)."""
+    return isinstance(compressor, Auto) or (isinstance(compressor, str) and compressor.lower() == "auto")
 
 
 # ----------------------------------------------------------------------------- measuring

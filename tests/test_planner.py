@@ -494,3 +494,85 @@ def test_auto_notices_a_slower_link_and_re_plans_from_new_measurements():
     assert any("plan changes from step 10" in line for line in said)
     # What the plan says it observed on the slower link: at least the 0.2 s its 4 MB take.
     assert observed[0] >= 0.2
+
+
+# ----------------------------------------------------------------------------- all_reduce(t, "auto")
+
+
+def _all_reduce_auto_body(rank, world_size):
+    import gradcomp
+    from gradcomp.collectives import _SHARED_AUTO
+
+    generator = torch.Generator().manual_seed(rank)
+    big, small = torch.randn(2**18, generator=generator), torch.randn(1000, generator=generator)
+    # Injected: a slow link (every rank's differs; the slowest decides), codecs slow to start.
+    auto = planner.Auto(allow=("int8", "int4"), profile=profile((0.01 + rank) * GBIT, overhead=20e-3))
+    memory = gradcomp.ErrorFeedback()
+    results = {}
+    for name, x in (("big", big), ("small", small), ("big again", big)):
+        out = x.clone()
+        stats = gradcomp.all_reduce(out, auto, feedback=memory, name=name.split()[0])
+        mean = x.clone()
+        dist.all_reduce(mean)
+        mean /= world_size
+        everyone = [torch.empty_like(out) for _ in range(world_size)]
+        dist.all_gather(everyone, out)
+        static = x.clone()
+        gradcomp.all_reduce(static, stats.compressor, algorithm=stats.algorithm, feedback=False)
+        results[name] = dict(
+            how=(stats.compressor, stats.algorithm),
+            as_static=torch.equal(out, static),
+            error=((out - mean).norm() / mean.norm()).item(),
+            same=all(torch.equal(everyone[0], e) for e in everyone),
+            sent=stats.bytes_sent,
+            dense=stats.dense_bytes,
+        )
+    # Measured: the shared planner of "auto" probes the group once, then plans each size.
+    measured = [gradcomp.all_reduce(x.clone(), "auto") for x in (small, big, small)]
+    shared = next(iter(_SHARED_AUTO.values()))
+    return dict(
+        results=results,
+        plans={n: (p.compressor, p.algorithm) for n, p in auto.plans[next(iter(auto.plans))].items()},
+        residuals=sorted(map(str, memory.keys())),
+        measured=[(s.compressor, s.algorithm) for s in measured],
+        probed=len(shared.profiles),
+        shared_sizes=sorted(next(iter(shared.plans.values()))),
+    )
+
+
+@pytest.mark.slow
+def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
+    result = spawn.run_ranks(_all_reduce_auto_body, 2, timeout=180)
+    slowest = planner.combine([profile(0.01 * GBIT, overhead=20e-3), profile(1.01 * GBIT, overhead=20e-3)])
+    big, small = (planner.choose([n], 2, slowest, ("int8", "int4"))[0] for n in (2**18, 1000))
+    assert big.compressor == "int4" and small.compressor == "none"  # the premise
+    assert result["plans"] == {2**18: ("int4", big.algorithm), 1000: ("none", "dense")}
+    runs = result["results"]
+    assert runs["big"]["how"] == runs["big again"]["how"] == ("int4", big.algorithm)
+    assert runs["small"]["how"] == ("none", "dense") and runs["small"]["error"] < 1e-6
+    # The first calls are what the chosen compressor and algorithm give (bit for bit);
+    # the second big one adds the first's residuals.
+    assert runs["big"]["as_static"] and runs["small"]["as_static"] and not runs["big again"]["as_static"]
+    for run in runs.values():  # int4 two-phase quantizes twice
+        assert run["same"] and run["error"] < 0.3
+    assert runs["big"]["sent"] < runs["big"]["dense"] / 6
+    # Error feedback under the call's name: int4 keeps the big tensor's residuals, dense none.
+    from gradcomp.collectives import key_of
+
+    assert str(key_of("big")) in result["residuals"]
+    assert not any(str(key_of("small")) in key for key in result["residuals"])
+    assert result["probed"] == 1 and result["shared_sizes"] == [1000, 2**18]
+    assert all(c in planner.SAFE and a for c, a in result["measured"])
+    assert result["measured"][0] == result["measured"][2]
+
+
+def test_all_reduce_auto_refuses_what_it_chooses_itself():
+    import gradcomp
+
+    for bad in ({"algorithm": "allgather"}, {"node_size": 2}):
+        with pytest.raises(ValueError, match="chooses the algorithm"):
+            gradcomp.all_reduce(torch.ones(4), "auto", **bad)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        planner.Auto(allow=("int3",))
+    with pytest.raises(TypeError, match="Profile"):
+        planner.Auto(profile="fast")

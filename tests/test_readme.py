@@ -61,6 +61,7 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     scope = {"gradcomp": gradcomp, "grad": torch.randn(4096, generator=generator)}
     exec(calls, scope)
     assert scope["stats"].ratio > 3 and scope["work"].is_completed()
+    assert scope["chosen"].compressor in gradcomp.planner.SAFE and scope["chosen"].algorithm
     assert scope["approx"].shape == scope["grad"].shape and scope["payload"].nbytes < 4096
 
     # "auto": dense for 2 steps, then a plan measured on this group, the same on every rank.

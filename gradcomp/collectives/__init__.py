@@ -18,6 +18,7 @@ The package, one concern a module:
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Hashable
 
@@ -81,6 +82,16 @@ __all__ = [
 ]
 
 _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
+# all_reduce(t, "auto"): one planner per candidate set, its measurements kept per group.
+_SHARED_AUTO: dict = {}
+
+
+def _auto_steps(auto, job: Job, q: CollectiveQueue):
+    # On the worker, in call order: the first call on a group measures it (a collective).
+    job.compressor, job.algorithm, name = auto.choice(q, job.tensor)
+    stats = yield from job_steps(job, q)
+    stats.compressor = name
+    return stats
 
 
 class Work:
@@ -170,7 +181,10 @@ def all_reduce(
 
     Args:
         tensor: floating tensor (fp32, fp16, bf16, fp64), same shape on every rank.
-        compressor: a :class:`Compressor` or a name for :func:`get_compressor`.
+        compressor: a :class:`Compressor`, a name for :func:`get_compressor`,
+            or ``"auto"`` / a :class:`gradcomp.planner.Auto`: the compressor
+            and algorithm the planner picks for this size on this group's
+            measured link and device (the first call measures them).
         group: process group (default WORLD).
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
         async_op: return a :class:`Work` at once instead of waiting.
@@ -202,11 +216,22 @@ def all_reduce(
         >>> for p in model.parameters():
         ...     gradcomp.all_reduce(p.grad, c, name=p_name)
     """
-    compressor = get_compressor(compressor)
+    auto = None
+    if not isinstance(compressor, Compressor):
+        from gradcomp import planner  # it imports this package
+
+        if planner.is_auto(compressor):
+            if algorithm is not None or node_size is not None or inter_algorithm is not None:
+                raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
+            auto = planner.Auto() if isinstance(compressor, str) else compressor
+            auto = _SHARED_AUTO.setdefault(settings_key(auto), auto) if isinstance(compressor, str) else auto
+    compressor = auto or get_compressor(compressor)
     check_tensor(tensor)
     ops.check_forced_backend()
     op = resolve_op(op)
-    if algorithm is not None:
+    if auto is not None:
+        algorithm = None
+    elif algorithm is not None:
         check_algorithm(compressor, algorithm)
     check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
     residuals, counters = _default_feedback(compressor)
@@ -221,11 +246,16 @@ def all_reduce(
         step = counters.get(name, 0)
         counters[name] = step + 1
     q = queue_for(group)
-    algorithm = check_algorithm(compressor, algorithm, q.world_size)
-    job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
-    if algorithm == HIERARCHICAL:
-        job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
-    future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor, name="gradcomp.all_reduce")
+    if auto is not None:
+        job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
+        steps = functools.partial(_auto_steps, auto, job, q)
+        future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce")
+    else:
+        algorithm = check_algorithm(compressor, algorithm, q.world_size)
+        job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
+        if algorithm == HIERARCHICAL:
+            job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
+        future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor, name="gradcomp.all_reduce")
     if async_op:
         return Work(future)
     return future.wait()

@@ -46,6 +46,7 @@ class ReduceStats:
             the ``hierarchical`` algorithm (the flat ones do not know the
             nodes and leave both 0).
         inter_algorithm: the algorithm between nodes of a ``hierarchical`` one.
+        compressor: what ``all_reduce(t, "auto")`` chose (empty otherwise).
     """
 
     bytes_sent: int = 0
@@ -57,6 +58,7 @@ class ReduceStats:
     bytes_sent_intra: int = 0
     bytes_sent_inter: int = 0
     inter_algorithm: str = ""
+    compressor: str = ""
 
     @property
     def ratio(self) -> float:
