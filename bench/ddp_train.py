@@ -50,10 +50,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -65,6 +67,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+from gradcomp import planner
 from gradcomp.collectives import ring_all_reduce_bytes
 from gradcomp.demo import make_mlp
 
@@ -266,6 +269,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         failed="",
         parameters=numel,
         buckets=bucket_count(model),
+        bucket_numels=bucket_numels(model),
         step_ms=1e3 * statistics.median(slowest.tolist()),
         step_ms_all=[round(1e3 * s, 2) for s in slowest.tolist()],
         bytes_per_step=sent,
@@ -279,9 +283,15 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
 def bucket_count(model: DistributedDataParallel) -> int:
     """DDP's bucket count after its rebuild after the first step (from DDP's logging data;
     0 if unavailable)."""
+    return len(bucket_numels(model))
+
+
+def bucket_numels(model: DistributedDataParallel) -> list[int]:
+    """The fp32 elements of each of DDP's buckets after its rebuild (from DDP's logging data;
+    empty if unavailable)."""
     logging_data = getattr(model, "_get_ddp_logging_data", dict)()
     sizes = str(logging_data.get("rebuilt_bucket_sizes", logging_data.get("bucket_sizes", "")))
-    return len(sizes.split(",")) if sizes else 0
+    return [int(size) // 4 for size in sizes.split(",") if size.strip()]
 
 
 def check_link(world_size: int, nbytes: int, iters: int = 3) -> dict:
@@ -423,6 +433,35 @@ def derive(records: list[dict]) -> None:
             record["comm_speedup_vs_flat"] = common.ratio(reference, record["comm_ms"])
 
 
+def add_predictions(records: list[dict], world_size: int) -> None:
+    """The planner's predicted communication a step of dense and each static gradcomp run,
+    from the stored profile on this run's link (a limited loopback carries every rank's
+    sends: each rank gets the limit over the ranks; unlimited: the profile's own link),
+    against the observed (step minus compute-only)."""
+    try:
+        profile = planner.Profile.load()
+    except FileNotFoundError:
+        return
+    link = common.link_info()
+    if link:
+        profile = profile.with_link(link["bits_per_second"] / 8 / world_size)
+    for record in records:
+        if record["failed"] or record["kind"] not in ("dense", "gradcomp") or record["name"] == "auto":
+            continue
+        options = dict(record["options"])
+        algorithm = options.pop("algorithm", None)
+        try:
+            compressor = gradcomp.get_compressor(record["name"] or "none", **options)
+            seconds = sum(
+                planner.predict(compressor, n, world_size, profile, algorithm).seconds
+                for n in record["bucket_numels"]
+            )
+        except (KeyError, ValueError):  # not measured in the profile, or not modelled
+            continue
+        record["predicted_comm_ms"] = 1e3 * seconds
+        record["model_error"] = common.ratio(1e3 * seconds, record["comm_ms"]) - 1
+
+
 def format_report(records: list[dict]) -> str:
     levels = any(not math.isnan(r.get("inter_bytes_per_step", math.nan)) for r in records)
     header = [
@@ -436,6 +475,7 @@ def format_report(records: list[dict]) -> str:
         "comm x fp16",
         "step x dense",
         "compress ms",
+        "model ms",
         "loss",
         "buckets",
         "note",
@@ -466,12 +506,19 @@ def format_report(records: list[dict]) -> str:
                 common.fmt(r.get("comm_speedup_vs_fp16_hook"), ".2f", "x"),
                 common.fmt(r.get("step_speedup_vs_dense"), ".2f", "x"),
                 common.fmt(r["compress_ms"], ".0f"),
+                _predicted(r),
                 common.fmt(r["loss"], ".4f"),
                 str(r["buckets"]),
                 r["note"],
             ]
         )
     return common.format_table(header, rows, left=(0, -1))
+
+
+def _predicted(record: dict) -> str:
+    if math.isnan(record.get("predicted_comm_ms", math.nan)):
+        return "-"
+    return f"{record['predicted_comm_ms']:.0f} ({record['model_error']:+.0%})"
 
 
 def plot(records: list[dict], title: str, path: str) -> None:
@@ -547,8 +594,159 @@ def describe_levels(check: dict, rate_bits: float) -> str:
     return text
 
 
+# ----------------------------------------------------------------------------- a sweep of links
+
+# What auto may choose by default: the dense run stands for "none".
+AUTO_TARGET_BEST, AUTO_TARGET_DENSE, MODEL_TARGET = 1.05, 1.03, 0.25
+
+
+def sweep(args: argparse.Namespace, rates: list[str], argv: list[str]) -> int:
+    """The whole bench once per rate, each in a process (and a limited namespace) of its
+    own (``none``: the unlimited loopback); then, per rate, each run against the best
+    static choice among auto's candidates, and the cost model against the observed."""
+    base = _without_option(argv, "--bandwidth")
+    facts = common.machine(args.spawn, "gloo")
+    documents = []
+    for rate in rates:
+        limited = rate != "none"
+        print(f"== link: {rate} ==", flush=True)
+        command = [sys.executable, os.path.abspath(__file__), *base]
+        command += ["--bandwidth", rate] if limited else []
+        code = subprocess.run(command).returncode
+        if code:
+            return code
+        written = common.Results("ddp_train", facts, {}, args.out, suffix=f"-{rate}" if limited else "")
+        with open(written.path("json")) as file:
+            documents.append((rate, json.load(file)))
+    rows = sweep_rows(documents)
+    print(format_sweep(rows))
+    results = common.Results("ddp_train", facts, {**vars(args), "rates": rates}, args.out, suffix="-sweep")
+    paths = results.write(rows, extra=dict(sources=[document["command"] for _, document in documents]))
+    png = results.path("png")
+    plot_sweep(rows, f"ddp_train across links: {results.machine['machine']}", png)
+    print(f"wrote {', '.join([*paths, png])}")
+    return 0
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            kept.append(item)
+    return kept
+
+
+def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
+    """A row per link and run: step and communication time, the model's prediction, and
+    for auto its picks against the best static choice among its candidates and dense."""
+    rows = []
+    for rate, document in documents:
+        records = [r for r in document["records"] if not r["failed"] and r["kind"] != "compute"]
+        auto = next((r for r in records if r["name"] == "auto"), None)
+        allow = planner.checked_candidates((auto or {}).get("options", {}).get("allow"))
+        names = {planner.candidate(spec).name for spec in allow} | {""}  # "": dense, no hook
+        static = [r for r in records if r["kind"] in ("dense", "gradcomp") and r["name"] in names]
+        best = min(static, key=lambda r: r["step_ms"]) if static else None
+        dense = next((r for r in records if r["kind"] == "dense"), None)
+        for record in records:
+            row = dict(
+                link=rate,
+                run=record["run"],
+                step_ms=record["step_ms"],
+                comm_ms=record["comm_ms"],
+                predicted_comm_ms=record.get("predicted_comm_ms", math.nan),
+                model_error=record.get("model_error", math.nan),
+                note=record["note"],
+                candidate=record in static,
+            )
+            if record is auto and best is not None and dense is not None:
+                row.update(
+                    best_static=best["run"],
+                    x_best_static=record["step_ms"] / best["step_ms"],
+                    x_dense=record["step_ms"] / dense["step_ms"],
+                )
+            rows.append(row)
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    """The runs of every link, then per link what auto chose and whether the targets hold."""
+    header = ["link", "run", "step ms", "comm ms", "model ms", "note"]
+    table = [
+        [
+            r["link"],
+            r["run"],
+            f"{r['step_ms']:.0f}",
+            f"{r['comm_ms']:.0f}",
+            _predicted(r),
+            r["note"],
+        ]
+        for r in rows
+    ]
+    lines = [common.format_table(header, table, left=(0, 1, -1))]
+    for r in rows:
+        if "x_best_static" not in r:
+            continue
+        verdict = "met" if r["x_best_static"] <= AUTO_TARGET_BEST else "NOT met"
+        line = (
+            f"{r['link']}: {r['note']}; {r['step_ms']:.0f} ms = {r['x_best_static']:.2f}x the best static "
+            f"choice ({r['best_static']}; target <= {AUTO_TARGET_BEST}x: {verdict}), "
+            f"{r['x_dense']:.2f}x dense"
+        )
+        if r["link"] == "none":
+            verdict = "met" if r["x_dense"] <= AUTO_TARGET_DENSE else "NOT met"
+            line += f" (target on the unlimited link <= {AUTO_TARGET_DENSE}x: {verdict})"
+        lines.append(line)
+    errors = [r for r in rows if not math.isnan(r["model_error"])]
+    if errors:
+        within = sum(abs(r["model_error"]) <= MODEL_TARGET for r in errors)
+        lines.append(
+            f"cost model: {within} of {len(errors)} static runs predicted within {MODEL_TARGET:.0%} "
+            "of the observed communication"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], title: str, path: str) -> None:
+    """Step time per link for every run (log scale), auto drawn bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for run in dict.fromkeys(r["run"] for r in rows):
+        points = [(links.index(r["link"]), r["step_ms"]) for r in rows if r["run"] == run]
+        auto = run.startswith("auto")
+        axis.plot(*zip(*points, strict=True), marker="o", linewidth=3 if auto else 1.2, label=run)
+    axis.set_xticks(range(len(links)), links)
+    axis.set_yscale("log")
+    axis.set_xlabel("link (tc limit on the loopback; none: unlimited)")
+    axis.set_ylabel("median step time (ms)")
+    axis.legend(fontsize=8)
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    rates = [rate.strip().lower() for rate in (args.bandwidth or "").split(",") if rate.strip()]
+    if len(rates) > 1:
+        if args.nodes:
+            parser().error("--bandwidth limits one namespace's loopback; with --nodes use --inter-bandwidth")
+        try:
+            [common.parse_rate(rate) for rate in rates if rate != "none"]
+        except argparse.ArgumentTypeError as error:
+            parser().error(str(error))
+        return sweep(args, rates, sys.argv[1:] if argv is None else argv)
+    args.bandwidth = None if rates == ["none"] else args.bandwidth
     cluster_mode = bool(args.nodes)
     if cluster_mode:
         if args.bandwidth:
@@ -589,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ddp_train failed: {error}\n")
         return 1
     derive(records)
+    if not cluster_mode:
+        add_predictions(records, args.spawn)
     print(describe(settings, records))
     if cluster_mode:
         print(f"cluster: {facts['link']}")

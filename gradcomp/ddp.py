@@ -144,7 +144,7 @@ class HookState:
 
     With ``compressor="auto"`` the hook reduces its first ``warmup_steps``
     steps (at least 2) dense; at the first step after them it measures the
-    group's link at the buckets' sizes and each candidate's compress and
+    group's link (up to 16 MB) and each candidate's compress and
     decode time on the buckets' device, combines every rank's figures (the
     slowest of each) and picks per bucket the candidate and algorithm with
     the least predicted time (:func:`gradcomp.planner.choose`; ``none``
@@ -370,8 +370,8 @@ class HookState:
             profile = planner.Profile("one rank", planner.scale.Link(1.0, 0.0), {}, 1, "")
             return [planner.predict("none", n, 1, profile) for n in sizes]
         if self.profile is None:
-            # Measured where the buckets live, at their sizes and a grid below them.
-            grid = sorted({*sizes, *(2**k for k in (12, 16, 20) if 2**k < max(sizes))})
+            # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
+            grid = planner.link_sizes(sizes)
             profile, _ = planner.probe(grid, self.allow, sizes, group=q.group, repeat=5, device=self._device)
         else:
             everyone = [None] * q.world_size

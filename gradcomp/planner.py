@@ -49,6 +49,7 @@ _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": 
 _NOT_PLANNED = ("hierarchical",)
 STORED = pathlib.Path(__file__).with_name("profiles")
 _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
+LINK_MAX = 2**22  # the largest all-reduce (fp32 elements) the link is timed at when planning
 
 
 def candidate(spec: str | Compressor) -> Compressor:
@@ -338,9 +339,8 @@ class Auto:
         found = self.profiles.get(q.group)
         if found is None:
             if self.profile is None:
-                numel = tensor.numel()
-                grid = sorted({numel, *(2**k for k in (12, 16, 20) if 2**k < numel)})
-                found, _ = probe(grid, self.allow, grid, group=q.group, device=tensor.device)
+                sizes = [tensor.numel()]
+                found, _ = probe(link_sizes(sizes), self.allow, sizes, group=q.group, device=tensor.device)
             else:
                 everyone = [None] * q.world_size
                 dist.all_gather_object(everyone, self.profile, group=q.group)
@@ -361,6 +361,13 @@ def checked_candidates(allow, profile: Profile | None = None) -> tuple:
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
     return allow
+
+
+def link_sizes(sizes: list[int]) -> list[int]:
+    """Where to time the link for buckets of ``sizes``: their sizes and a grid below, up to
+    16 MB of fp32 (the line through them extrapolates; a slow link takes seconds beyond)."""
+    top = min(max(sizes), LINK_MAX)
+    return sorted({*(min(n, LINK_MAX) for n in sizes), *(2**k for k in (12, 16, 20) if 2**k < top)})
 
 
 def is_auto(compressor) -> bool:

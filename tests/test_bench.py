@@ -391,6 +391,82 @@ def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
     assert check["seconds"] > 0.5 * check["expected_seconds"] > 0.05
 
 
+@pytest.mark.slow
+@needs_namespaces
+def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
+    before = _namespaces()
+    args = [*TINY_MODEL, "--compressors", "int8", "auto", "--baselines", "--bandwidth", "100mbit,none"]
+    args += ["--link-check-bytes", "256KiB", "--out", str(tmp_path)]
+    result = run_script("ddp_train.py", *args, timeout=400)
+    assert _namespaces() == before
+    # Each link's own results, then the sweep's.
+    _, limited = read_results(tmp_path, stem("ddp_train") + "-100mbit")
+    read_results(tmp_path, stem("ddp_train"))
+    rows, document = read_results(tmp_path, stem("ddp_train") + "-sweep")
+    assert [(r["link"], r["run"]) for r in rows] == [
+        (link, run) for link in ("100mbit", "none") for run in ("dense", "int8", "auto")
+    ]
+    for row in rows:
+        assert float(row["step_ms"]) > 0
+        if row["run"] == "auto":
+            assert row["best_static"] in ("dense", "int8") and float(row["x_best_static"]) > 0
+            assert row["note"].startswith("auto: ")
+        else:  # predicted from the stored profile on that link
+            assert float(row["predicted_comm_ms"]) > 0
+    # The prediction on the limited link: the stored profile with 100 Mbit/s shared by the 2 ranks.
+    from gradcomp import planner
+
+    buckets = next(r for r in limited["records"] if r["run"] == "dense")["bucket_numels"]
+    on_link = planner.Profile.load().with_link(100e6 / 8 / 2)
+    expected = sum(planner.predict("none", n, 2, on_link).seconds for n in buckets)
+    assert buckets and sum(buckets) == 32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    dense = {r["link"]: float(r["predicted_comm_ms"]) for r in rows if r["run"] == "dense"}
+    assert dense["100mbit"] == pytest.approx(1e3 * expected) and dense["100mbit"] > dense["none"]
+    assert "100mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
+    assert len(document["sources"]) == 2
+
+
+def test_sweep_rows_judge_auto_against_the_best_static_candidate():
+    ddp_train = importlib.import_module("ddp_train")
+
+    def record(run, kind, name, step_ms, options=None, note=""):
+        return dict(
+            run=run,
+            kind=kind,
+            name=name,
+            options=options or {},
+            step_ms=step_ms,
+            comm_ms=step_ms - 100,
+            note=note,
+            failed="",
+        )
+
+    slow = [
+        record("compute only", "compute", "", 100),
+        record("dense", "dense", "", 2000),
+        record("int8", "gradcomp", "int8", 950),
+        record("topk", "gradcomp", "topk", 300),  # not a candidate of auto's default
+        record("auto", "gradcomp", "auto", 990, note="auto: int4 allgather x2"),
+    ]
+    fast = [
+        record("dense", "dense", "", 600),
+        record("int8", "gradcomp", "int8", 900),
+        record("auto:allow=int8|topk", "gradcomp", "auto", 610, {"allow": ["int8", "topk"]}, "auto: none"),
+        record("topk", "gradcomp", "topk", 700),
+    ]
+    rows = ddp_train.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})])
+    autos = [r for r in rows if "x_best_static" in r]
+    assert [(r["link"], r["best_static"]) for r in autos] == [("1gbit", "int8"), ("none", "dense")]
+    assert autos[0]["x_best_static"] == pytest.approx(990 / 950)
+    assert autos[1]["x_dense"] == pytest.approx(610 / 600)
+    assert [r["candidate"] for r in rows if r["link"] == "1gbit"] == [True, True, False, False]
+    text = ddp_train.format_sweep(rows)
+    judged = "1gbit: auto: int4 allgather x2; 990 ms = "
+    judged += "1.04x the best static choice (int8; target <= 1.05x: met)"
+    assert judged in text
+    assert "(target on the unlimited link <= 1.03x: met)" in text
+
+
 def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
     convergence = importlib.import_module("convergence")
 
