@@ -170,8 +170,9 @@ def parser() -> argparse.ArgumentParser:
         "probe",
         help="measure this machine's link and compressors and write a profile for plan and auto",
         description=(
-            "Spawn Gloo ranks on 127.0.0.1, time dense all-reduces of each size (fitting latency per "
-            "ring step and bandwidth per rank) and each compressor's compress and decompress, and "
+            "Spawn Gloo ranks on 127.0.0.1, time dense all-reduces, all-gathers and all-to-alls of each "
+            "size (fitting each one's latency per ring step and bandwidth per rank) and each "
+            "compressor's compress and decompress, and "
             "write the profile as JSON. Each figure is the slowest rank's median."
         ),
     )
@@ -338,11 +339,13 @@ def _decide(args) -> int:
                 f"{sum(p.bytes_sent for p in predictions) / 1e6:.4g}",
                 f"{sum(p.exchange_seconds for p in predictions) * 1e3:.4g}",
                 f"{sum(p.codec_seconds for p in predictions) * 1e3:.4g}",
+                f"{sum(p.overlap_seconds for p in predictions) * 1e3:.4g}",
                 f"{seconds * 1e3:.4g}",
                 f"{dense / seconds:.2f}x",
             ]
         )
-    header = ["candidate", "algorithm", "MB sent/rank", "exchange ms", "codec ms", "total ms", "vs dense"]
+    header = ["candidate", "algorithm", "MB sent/rank", "exchange ms", "codec ms", "overlap ms", "total ms"]
+    header.append("vs dense")
     _print_table(header, rows)
     chosen = sum(p.seconds for p in plan)
     picks: dict[tuple[str, str], int] = {}
@@ -376,9 +379,10 @@ def _probe(args) -> int:
     print(f"{demo.machine()}, {args.world_size} Gloo ranks on 127.0.0.1", flush=True)
     profile, rows = spawn.run_ranks(_probe_rank, args.world_size, args.sizes, specs, args.repeat)
     _print_table(
-        ["all-reduce elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s"],
+        ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s"],
         [
             [
+                r["collective"],
                 f"{r['numel']:,}",
                 f"{r['bytes_sent']:,}",
                 f"{r['seconds'] * 1e3:.3g}",
@@ -387,8 +391,11 @@ def _probe(args) -> int:
             for r in rows
         ],
     )
-    link = profile.link
-    print(f"fit: {link.latency * 1e6:.3g} us per ring step, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank")
+    for name, link in (("all_reduce", profile.link), *profile.links.items()):
+        print(
+            f"fit, {name}: {link.latency * 1e6:.3g} us per ring step, "
+            f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
+        )
     _print_table(
         ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
         [

@@ -477,13 +477,17 @@ class HookState:
         queue_for(self.process_group).submit(lambda: None, torch.device("cpu")).wait()
 
     def __getstate__(self):
-        # Process groups cannot be pickled; like torch's hooks, drop it.
-        return {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+        # Process groups cannot be pickled; like torch's hooks, drop it (and a pending check's future).
+        if self._pending is not None:
+            self._pending.wait()
+        return {
+            name: getattr(self, name) for name in self.__slots__ if name not in ("process_group", "_pending")
+        }
 
     def __setstate__(self, state):
         for name, value in state.items():
             setattr(self, name, value)
-        self.process_group = None
+        self.process_group, self._pending = None, None
 
     # ------------------------------------------------------------------ reduction (worker thread)
     def reduce(self, tensor: torch.Tensor, index: int, layout: BucketLayout, step: int, last: bool, q):
@@ -584,7 +588,16 @@ class HookState:
 
 def _saved_plan(plan: list) -> list:
     return [
-        (p.numel, p.compressor, p.algorithm, p.bytes_sent, p.exchange_seconds, p.codec_seconds) for p in plan
+        (
+            p.numel,
+            p.compressor,
+            p.algorithm,
+            p.bytes_sent,
+            p.exchange_seconds,
+            p.codec_seconds,
+            p.overlap_seconds,
+        )
+        for p in plan
     ]
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from gradcomp.collectives import scale
 from gradcomp.collectives.algorithms import ALGORITHMS, check_algorithm
 from gradcomp.collectives.stats import ring_all_reduce_bytes
+from gradcomp.collectives.two_phase import two_phase_segments
 from gradcomp.compressors import Compressor, Context, get_compressor
 
 # What ``auto`` may choose unless told: the compressors that kept accuracy on
@@ -133,15 +134,22 @@ class Profile:
     """What a machine measured: the link and each compressor's codec."""
 
     device: str
-    link: scale.Link
+    link: scale.Link  # the all-reduce's fit, and every collective's without one of its own
     codecs: dict[str, Codec]
     world_size: int = 2
     note: str = ""
+    links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)  # "all_gather", "all_to_all"
 
     def with_link(self, bandwidth: float | None = None, latency: float | None = None) -> Profile:
-        """This profile on another link (bytes/s per rank, seconds per step)."""
+        """This profile on another link (bytes/s per rank, seconds per step), every
+        collective on it (the collectives' own fits were measured on the old one)."""
         link = scale.Link(bandwidth or self.link.bandwidth, self.link.latency if latency is None else latency)
-        return dataclasses.replace(self, link=link)
+        return dataclasses.replace(self, link=link, links={})
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the profile was measured on CPUs (its device name says so: :func:`device_name`)."""
+        return " CPUs (" in self.device or self.device.endswith(" CPUs")
 
     def codec(self, compressor: Compressor) -> Codec:
         key = label(compressor)
@@ -158,13 +166,17 @@ class Profile:
             world_size=self.world_size,
             note=self.note,
             link=dataclasses.asdict(self.link),
+            links={k: dataclasses.asdict(v) for k, v in self.links.items()},
             codecs={k: dataclasses.asdict(c) for k, c in self.codecs.items()},
         )
 
     @staticmethod
     def from_json(data: dict) -> Profile:
         codecs = {k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()}
-        return Profile(data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"])
+        links = {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+        return Profile(
+            data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"], links
+        )
 
     def save(self, path: str | pathlib.Path) -> None:
         pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -183,7 +195,8 @@ class Profile:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """A bucket's predicted all-reduce: the exchange and the encode/decode passes."""
+    """A bucket's predicted all-reduce: the exchange and the encode/decode passes, less
+    what of them overlaps (a pipelined two_phase)."""
 
     compressor: str
     algorithm: str
@@ -191,12 +204,13 @@ class Prediction:
     bytes_sent: int
     exchange_seconds: float
     codec_seconds: float
+    overlap_seconds: float = 0.0
     # Filled in by the DDP hook's "auto" as it runs; not part of what a prediction is.
     observed_seconds: float = dataclasses.field(default=math.nan, compare=False)
 
     @property
     def seconds(self) -> float:
-        return self.exchange_seconds + self.codec_seconds
+        return self.exchange_seconds + self.codec_seconds - self.overlap_seconds
 
 
 def passes(algorithm: str, world_size: int) -> tuple[float, int, float, int]:
@@ -223,13 +237,19 @@ def predict(
     profile: Profile,
     algorithm: str | None = None,
 ) -> Prediction:
-    """The predicted time of one all-reduce of ``numel`` fp32 elements."""
+    """The predicted time of one all-reduce of ``numel`` fp32 elements.
+
+    A two_phase all-reduce of a long CPU tensor runs as a pipeline of ``S``
+    segments (:func:`gradcomp.collectives.two_phase_segments`): one segment's
+    codec work overlaps another's exchange, so of the exchange ``X`` and the
+    codec ``C`` only ``max(X, C) + min(X, C) / S`` remains (a pipeline's fill
+    and drain). A profile measured on a CPU says so in its device name."""
     compressor = candidate(compressor)
     if compressor.low_rank:
         raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
     algorithm = check_algorithm(compressor, algorithm, world_size)
     cost = scale.cost(compressor, numel, world_size, algorithm)
-    exchange = cost.seconds(profile.link)
+    exchange = cost.seconds(profile.link, profile.links)
     if compressor.name == "none" or world_size == 1:
         codec = 0.0
     else:
@@ -237,7 +257,12 @@ def predict(
         encode, encode_calls, decode, decode_calls = passes(algorithm, world_size)
         codec = encode_calls * c.encode.overhead + encode * numel / c.encode.rate
         codec += decode_calls * c.decode.overhead + decode * numel / c.decode.rate
-    return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec)
+    overlap = 0.0
+    if algorithm == "two_phase" and not compressor.sparse and profile.on_cpu and world_size > 1:
+        align = getattr(compressor, "block", 1)
+        segments = len(two_phase_segments(numel, world_size, align, torch.device("cpu")))
+        overlap = min(exchange, codec) * (1 - 1 / segments)
+    return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec, overlap)
 
 
 def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
@@ -275,14 +300,23 @@ def choose(numels: list[int], world_size: int, profile: Profile, candidates=SAFE
 def combine(profiles: list[Profile]) -> Profile:
     """One profile from every rank's: the slowest link and the slowest codec of each compressor."""
     first = profiles[0]
-    link = scale.Link(min(p.link.bandwidth for p in profiles), max(p.link.latency for p in profiles))
+    link = _slowest_link([p.link for p in profiles])
+    links = {
+        name: _slowest_link([p.links[name] for p in profiles])
+        for name in first.links
+        if all(name in p.links for p in profiles)
+    }
     codecs = {}
     for key in first.codecs:
         if all(key in p.codecs for p in profiles):
             codecs[key] = Codec(
                 *(_slowest([getattr(p.codecs[key], w) for p in profiles]) for w in ("encode", "decode"))
             )
-    return dataclasses.replace(first, link=link, codecs=codecs)
+    return dataclasses.replace(first, link=link, codecs=codecs, links=links)
+
+
+def _slowest_link(links: list[scale.Link]) -> scale.Link:
+    return scale.Link(min(x.bandwidth for x in links), max(x.latency for x in links))
 
 
 # ----------------------------------------------------------------------------- all_reduce(t, "auto")
@@ -416,6 +450,43 @@ def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> 
     return fit_link(rows, world), rows
 
 
+def measure_collectives(
+    sizes: list[int], group=None, repeat: int = 5, device=None
+) -> tuple[dict[str, scale.Link], list[dict]]:
+    """Like :func:`measure_link`, for the collectives the compressed algorithms use: an
+    all-gather whose output holds ``n`` fp32 elements (``n / W`` from each rank) and an
+    all-to-all of ``n`` elements a rank; each fitted as ``(W-1) latency + bytes / bandwidth``
+    (bytes one rank sends, ring schedules). Every rank must call it."""
+    world = dist.get_world_size(group)
+    device = torch.device(device or default_device(group))
+    links, rows = {}, []
+    for name in ("all_gather", "all_to_all"):
+        mine = []
+        for numel in sorted(set(sizes)):
+            part = max(1, numel // world)
+            source = torch.ones(part * world if name == "all_to_all" else part, device=device)
+            output = torch.empty(part * world, device=device)
+            once = functools.partial(_collective_once, name, output, source, group)
+            dist.barrier(group=group)
+            seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64, device=device)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+            mine.append(dict(collective=name, numel=part * world, bytes_sent=part * 4 * (world - 1)))
+            mine[-1]["seconds"] = seconds.item()
+        line = Linear.fit([r["bytes_sent"] for r in mine], [r["seconds"] for r in mine])
+        links[name] = scale.Link(line.rate, line.overhead / max(world - 1, 1))
+        rows += mine
+    return links, rows
+
+
+def _collective_once(name: str, output: torch.Tensor, source: torch.Tensor, group) -> None:
+    if name == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, source, group=group)
+    else:
+        dist.all_to_all_single(output, source, group=group)
+    _synchronize(output)
+
+
 def default_device(group=None) -> torch.device:
     """Where a group's collectives take tensors: the current CUDA device for NCCL, else the CPU."""
     if "nccl" in str(dist.get_backend(group)):
@@ -473,9 +544,16 @@ def probe(
 ):
     """Measure this group's link and, on every rank, each compressor's codec on ``device``
     (default: CUDA for an NCCL group, else CPU); every rank returns the same
-    :class:`Profile` (the slowest of each measurement) and the link's rows."""
+    :class:`Profile` (the slowest of each measurement) and the timings of each
+    collective (all-reduce, all-gather, all-to-all; ``collective`` in each row)."""
     device = torch.device(device or default_device(group))
     link, rows = measure_link(sizes, group, repeat, device)
+    for row in rows:
+        row["collective"] = "all_reduce"
+    links, more = (
+        measure_collectives(sizes, group, repeat, device) if dist.get_world_size(group) > 1 else ({}, [])
+    )
+    rows += more
     codecs = {}
     for spec in compressors:
         compressor = candidate(spec)
@@ -484,7 +562,9 @@ def probe(
                 compressor, sorted(set(codec_sizes or sizes)), device, repeat
             )
     world = dist.get_world_size(group)
-    mine = Profile(device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks")
+    mine = Profile(
+        device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks", links
+    )
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     return combine(everyone), rows

@@ -375,6 +375,14 @@ def test_state_pickles_without_process_group():
     assert clone.process_group is None and clone.compressor.settings() == state.compressor.settings()
 
 
+def test_an_auto_state_pickles_after_its_pending_check():
+    state = HookState("auto")
+    state._pending = torch.futures.Future()  # a check job the worker has finished
+    state._pending.set_result(None)
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone._pending is None and clone.auto and clone.allow == state.allow
+
+
 def test_load_state_dict_rejects_other_settings():
     saved = HookState("int8").state_dict()
     with pytest.raises(ValueError, match="settings"):

@@ -1,6 +1,7 @@
 """The planner: its cost model and decisions on injected measurements, agreement across ranks,
 and the probe and plan commands on tiny sizes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -97,10 +98,53 @@ def test_candidates_parse_short_and_long_options():
             planner.candidate(spec)
 
 
+def test_a_pipelined_two_phase_on_cpus_overlaps_its_codec_with_its_exchange():
+    from gradcomp.collectives import two_phase_segments
+
+    on_cpu = dataclasses.replace(profile(GBIT / 10, rate=1e8), device="2 CPUs (test)")
+    on_gpu = dataclasses.replace(on_cpu, device="NVIDIA H200")
+    assert on_cpu.on_cpu and not on_gpu.on_cpu and not profile(GBIT).on_cpu
+    long, short = 12 * 2**20, 2**20
+    segments = len(two_phase_segments(long, 2, 32, torch.device("cpu")))
+    assert segments == 6
+    cpu, gpu = (planner.predict("int8", long, 2, p, "two_phase") for p in (on_cpu, on_gpu))
+    exchange, codec = cpu.exchange_seconds, cpu.codec_seconds
+    assert (exchange, codec) == (gpu.exchange_seconds, gpu.codec_seconds) and gpu.overlap_seconds == 0
+    assert cpu.seconds == pytest.approx(max(exchange, codec) + min(exchange, codec) / segments)
+    # One segment, an all-gather, a sparse two-phase: nothing overlaps.
+    for compressor, numel, algorithm in (("int8", short, "two_phase"), ("int8", long, "allgather")):
+        assert planner.predict(compressor, numel, 2, on_cpu, algorithm).overlap_seconds == 0
+    assert planner.predict("topk", long, 4, on_cpu, "two_phase").overlap_seconds == 0
+
+
+def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
+    numel = 2**20
+    pairs = ("int8", "two_phase"), ("int8", "allgather"), ("topk", "two_phase"), ("none", "dense")
+    for name, algorithm in pairs:
+        cost = scale.cost(name, numel, 4, algorithm)
+        assert sum(p[1] for p in cost.phases) == cost.bytes_sent
+        assert sum(p[2] for p in cost.phases) == cost.steps
+    on_ring = profile(GBIT)
+    # An all-gather ten times slower than the all-reduce's fit; all-to-all without a fit of its own.
+    slow_gather = dataclasses.replace(on_ring, links={"all_gather": scale.Link(GBIT / 10, 20e-6)})
+    for name, algorithm in (("int8", "allgather"), ("int8", "two_phase"), ("bf16", "dense")):
+        fast, slow = (planner.predict(name, numel, 4, p, algorithm) for p in (on_ring, slow_gather))
+        cost = scale.cost(name, numel, 4, algorithm)
+        gathered = sum(b for c, b, _ in cost.phases if c == "all_gather")
+        assert slow.exchange_seconds == pytest.approx(fast.exchange_seconds + 9 * gathered / GBIT)
+        assert slow.codec_seconds == fast.codec_seconds
+    # On another link every collective goes on it.
+    assert slow_gather.with_link(GBIT).links == {}
+
+
 def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     fast, slow = profile(10 * GBIT, 10e-6, rate=2e9), profile(GBIT, 30e-6, rate=1e9, overhead=1e-4)
+    fast = dataclasses.replace(fast, links={"all_gather": scale.Link(GBIT, 5e-6), "all_to_all": fast.link})
+    slow = dataclasses.replace(slow, links={"all_gather": scale.Link(2 * GBIT, 50e-6)})
     both = planner.combine([fast, slow])
     assert both.link == scale.Link(GBIT, 30e-6)
+    # Per collective too, where every rank has a fit of it.
+    assert both.links == {"all_gather": scale.Link(GBIT, 50e-6)}
     assert both.codecs["int8"].encode == planner.Linear(1e-4, 1e9)
     path = tmp_path / "profile.json"
     both.save(path)
@@ -124,8 +168,21 @@ def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
     everyone, plans, rows = spawn.run_ranks(_probe_body, 3, timeout=120)
     assert everyone[0] == everyone[1] == everyone[2] and plans[0] == plans[1] == plans[2]
     assert set(everyone[0].codecs) == {"int8"} and everyone[0].world_size == 3
-    assert [r["numel"] for r in rows] == [256, 4096] and all(r["seconds"] > 0 for r in rows)
-    assert rows[1]["bytes_sent"] == 2 * 2 * 4096 * 4 // 3
+    assert set(everyone[0].links) == {"all_gather", "all_to_all"}
+    assert all(link.bandwidth > 0 for link in everyone[0].links.values())
+    # The all-gather and all-to-all take n // W elements from each rank.
+    assert [(r["collective"], r["numel"]) for r in rows] == [
+        ("all_reduce", 256),
+        ("all_reduce", 4096),
+        *((name, n) for name in ("all_gather", "all_to_all") for n in (255, 4095)),
+    ]
+    assert all(r["seconds"] > 0 for r in rows)
+    # Bytes one rank sends: ring all-reduce 2 (W-1)/W n, all-gather and all-to-all (W-1) n/W.
+    assert [r["bytes_sent"] for r in rows if r["numel"] in (4095, 4096)] == [
+        2 * 2 * 4096 * 4 // 3,
+        2 * 1365 * 4,
+        2 * 1365 * 4,
+    ]
 
 
 @pytest.mark.slow
@@ -467,7 +524,7 @@ def _drift_body(rank, world_size, steps, slow_from):
     state = ddp.register(model, "auto", profile=fast, warmup_steps=2, check_every=3)
     all_reduce = dist.all_reduce
 
-    def slow_all_reduce(tensor, *args, **kwargs):  # a dense link of 20 MB/s from now on
+    def slow_all_reduce(tensor, *args, **kwargs):  # all-reduces at 20 MB/s from now on
         time.sleep(tensor.numel() * tensor.element_size() / 20e6)
         return all_reduce(tensor, *args, **kwargs)
 
@@ -489,7 +546,8 @@ def test_auto_notices_a_slower_link_and_re_plans_from_new_measurements():
     # Checks at steps 6 (the first window after the plan: calibrates) and 9
     # (steps 6-8, on the slower link: drift), the new plan from step 10.
     assert hows[:10] == ["none dense"] * 10
-    assert all(how.split()[0] in ("int8", "int4") for how in hows[10:]), hows
+    # Only the all-reduce got slower: the new plan gathers or scatters instead.
+    assert all(how.split()[1] in ("allgather", "two_phase") for how in hows[10:]), hows
     assert any("re-plans (drift" in line for line in said) and not any("requested" in line for line in said)
     assert any("plan changes from step 10" in line for line in said)
     # What the plan says it observed on the slower link: at least the 0.2 s its 4 MB take.

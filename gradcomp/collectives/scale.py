@@ -37,13 +37,23 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """What one compressed all-reduce sends, in how many collective steps."""
+    """What one compressed all-reduce sends, in how many collective steps; ``phases``:
+    the same per collective, ``(name, bytes, steps)`` with name ``"all_reduce"``,
+    ``"all_gather"`` or ``"all_to_all"``."""
 
     bytes_sent: int
     steps: int
+    phases: tuple = ()
 
-    def seconds(self, link: Link) -> float:
-        return self.steps * link.latency + self.bytes_sent / link.bandwidth
+    def seconds(self, link: Link, links: dict | None = None) -> float:
+        """On ``link``; each phase on its collective's own link in ``links``, where it has one."""
+        if not links:
+            return self.steps * link.latency + self.bytes_sent / link.bandwidth
+        total = 0.0
+        for name, nbytes, steps in self.phases:
+            on = links.get(name, link)
+            total += steps * on.latency + nbytes / on.bandwidth
+        return total
 
 
 def cost(
@@ -66,21 +76,23 @@ def cost(
         fact = compressor.factorization(shapes or ((numel,),))
         itemsize = work_dtype(dtype).itemsize
         sizes = [n * itemsize for n in (fact.p_numel + fact.dense_numel, fact.q_numel) if n]
-        return Cost(sum(ring_all_reduce_bytes(n, world) for n in sizes), 2 * (world - 1) * len(sizes))
+        return _phases(*(("all_reduce", ring_all_reduce_bytes(n, world), 2 * (world - 1)) for n in sizes))
     if algorithm == "dense":
         tensors = compressor.compress(torch.zeros(numel, dtype=dtype)).tensors.values()
         sizes = [t.numel() * t.element_size() for t in tensors]
-        return Cost(sum(ring_all_reduce_bytes(n, world) for n in sizes), 2 * (world - 1) * len(sizes))
+        return _phases(*(("all_reduce", ring_all_reduce_bytes(n, world), 2 * (world - 1)) for n in sizes))
     if algorithm == "allgather":
         width = buffer_size(compressor.compress(torch.zeros(numel, dtype=dtype)).layout())
-        return Cost(width * (world - 1), world - 1)
+        return _phases(("all_gather", width * (world - 1), world - 1))
     if compressor.sparse:
         k = resolve_k(numel, compressor.ratio, compressor.k)
         chunk, capacity, kept = sparse_two_phase_sizes(numel, k, world)
         index = torch.int32 if chunk < 2**31 else torch.int64
         rows = buffer_size([("indices", index, capacity), ("values", dtype, capacity)])
         keep = buffer_size([("indices", index, kept), ("values", dtype, kept)])
-        return Cost((rows + keep) * (world - 1), 2 * (world - 1))
+        return _phases(
+            ("all_to_all", rows * (world - 1), world - 1), ("all_gather", keep * (world - 1), world - 1)
+        )
     # Rank 0's bytes: the chunks it sends to the others, then its own, gathered.
     align = getattr(compressor, "block", 1)
     sizes = [
@@ -88,7 +100,13 @@ def cost(
         for start, end in chunk_bounds(numel, world, align)
         if end > start
     ]
-    return Cost(sum(sizes) - sizes[0] + sizes[0] * (world - 1), 2 * (world - 1))
+    return _phases(
+        ("all_to_all", sum(sizes) - sizes[0], world - 1), ("all_gather", sizes[0] * (world - 1), world - 1)
+    )
+
+
+def _phases(*phases: tuple[str, int, int]) -> Cost:
+    return Cost(sum(p[1] for p in phases), sum(p[2] for p in phases), tuple(phases))
 
 
 def table(compressors: list[str], numel: int, world_sizes: list[int], link: Link) -> list[dict]:
