@@ -327,6 +327,8 @@ class HookState:
         self._sizes = dict(state.get("auto_sizes", {}))
         self._planned_at = -1 if "plan" in state else None
         self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
+        self._hooked_step, self._replan_requested = -1, False
+        self.plan, self._chosen, self._adopted_at, self._last = None, [], None, {}
         if "plan" in state:
             self._adopt_plan(_loaded_plan(state["plan"]))
             self._adopted_at = state.get("auto_adopted_at", int(state["step"]))
@@ -495,12 +497,13 @@ class HookState:
         ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
         started = self._start_bucket(step, last)
         self.buckets.adopt(index, layout, tensor)
+        if self.auto:
+            self._device = tensor.device  # where plans measure the codecs (a resumed run's too)
         if self.auto and not self.plan:
             # The buckets reduced before the plan: its sizes (DDP settles them after its first step).
             if self._sizes.get("step") != step:
                 self._sizes = {"step": step}
             self._sizes[index] = tensor.numel()
-            self._device = tensor.device
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
         compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
         dense = dense or compressor.name == "none"
@@ -706,7 +709,9 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     timed = None
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
-        if state._adopted_at is not None:
+        # Drift is timed on CPUs only: a CUDA job's future completes when its
+        # work is queued, not done (re-plan on GPUs with replan_every/replan()).
+        if state._adopted_at is not None and not buffer.is_cuda:
             timed = state._times.setdefault(step, {})[index] = [time.perf_counter(), None]
     if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.

@@ -50,6 +50,10 @@ _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": 
 _NOT_PLANNED = ("hierarchical",)
 STORED = pathlib.Path(__file__).with_name("profiles")
 _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
+# A compressor must be predicted this much faster than dense to be chosen: on the
+# 2-core CPU machine the model missed by up to 50% where codecs compete with the
+# backward pass for the cores (fast links), and gains there were 10-30%.
+MARGIN = 0.25
 LINK_MAX = 2**22  # the largest all-reduce (fp32 elements) the link is timed at when planning
 
 
@@ -286,14 +290,19 @@ def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
     return pairs
 
 
-def choose(numels: list[int], world_size: int, profile: Profile, candidates=SAFE) -> list[Prediction]:
+def choose(
+    numels: list[int], world_size: int, profile: Profile, candidates=SAFE, margin: float = MARGIN
+) -> list[Prediction]:
     """Per bucket, the candidate pair with the least predicted time (ties: fewer bytes, then the
-    earlier candidate). ``none`` is always a candidate: nothing is chosen that is predicted slower."""
+    earlier candidate). ``none`` is always a candidate, and a compressor is chosen over it only
+    when predicted at least ``margin`` faster: a smaller gain is within the model's error."""
     pairs = options(["none", *[c for c in candidates if c != "none"]], world_size)
     best = {}  # buckets are mostly of one size: predict each size once
     for numel in set(numels):
         predictions = [predict(c, numel, world_size, profile, a) for c, a in pairs]
-        best[numel] = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
+        dense = predictions[0]
+        fastest = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
+        best[numel] = fastest if fastest.seconds <= (1 - margin) * dense.seconds else dense
     return [best[numel] for numel in numels]
 
 
@@ -328,10 +337,11 @@ class Auto:
     The first call on a group measures its link and the candidates' codecs on
     the tensor's device (every rank, on the group's worker, in call order:
     like any collective, every rank must make the same calls), at the
-    tensor's size and a grid below it, or takes ``profile``; every rank's
-    figures combine, so every rank chooses alike. Each new size is then
-    planned from those lines (:func:`choose`) and keeps its choice;
-    :attr:`plans` holds them per group. ``gradcomp.all_reduce(t, "auto")``
+    tensor's size and a grid from 4K to 1M elements (:func:`link_sizes`), or
+    takes ``profile``; every rank's figures combine, so every rank chooses
+    alike. Each new size is then planned from those lines (:func:`choose`)
+    and keeps its choice; :attr:`plans` holds them per group, keyed by
+    (elements, dtype). An empty tensor is sent dense without measuring. ``gradcomp.all_reduce(t, "auto")``
     uses one shared instance with the :data:`SAFE` candidates.
 
     Args:
@@ -356,14 +366,15 @@ class Auto:
     def choice(self, q, tensor: torch.Tensor) -> tuple[Compressor, str, str]:
         """(on ``q``'s worker) The compressor, algorithm and label for ``tensor`` on ``q``'s group."""
         plans = self.plans.setdefault(q.group, {})
-        plan = plans.get(tensor.numel())
+        key = (tensor.numel(), tensor.dtype)
+        plan = plans.get(key)
         if plan is None:
-            if q.world_size == 1:
+            if q.world_size == 1 or tensor.numel() == 0:  # nothing to send
                 one = Profile("one rank", scale.Link(1.0, 0.0), {}, 1, "")
                 plan = predict("none", tensor.numel(), 1, one)
             else:
                 plan = choose([tensor.numel()], q.world_size, self._profile(q, tensor), self.allow)[0]
-            plans[tensor.numel()] = plan
+            plans[key] = plan
         compressor = self._chosen.get(plan.compressor)
         if compressor is None:
             compressor = self._chosen[plan.compressor] = candidate(plan.compressor)
@@ -373,8 +384,9 @@ class Auto:
         found = self.profiles.get(q.group)
         if found is None:
             if self.profile is None:
-                sizes = [tensor.numel()]
-                found, _ = probe(link_sizes(sizes), self.allow, sizes, group=q.group, device=tensor.device)
+                # Later calls of other sizes plan from these lines: a grid up to 1M elements at least.
+                grid = link_sizes([tensor.numel(), 2**20])
+                found, _ = probe(grid, self.allow, grid, group=q.group, device=tensor.device)
             else:
                 everyone = [None] * q.world_size
                 dist.all_gather_object(everyone, self.profile, group=q.group)
@@ -401,7 +413,8 @@ def link_sizes(sizes: list[int]) -> list[int]:
     """Where to time the link for buckets of ``sizes``: their sizes and a grid below, up to
     16 MB of fp32 (the line through them extrapolates; a slow link takes seconds beyond)."""
     top = min(max(sizes), LINK_MAX)
-    return sorted({*(min(n, LINK_MAX) for n in sizes), *(2**k for k in (12, 16, 20) if 2**k < top)})
+    grid = {*(min(n, LINK_MAX) for n in sizes if n > 0), *(2**k for k in (12, 16, 20) if 2**k < top)}
+    return sorted(grid) or [2**12]
 
 
 def is_auto(compressor) -> bool:

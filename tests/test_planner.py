@@ -374,6 +374,19 @@ def test_auto_options_are_checked():
         state.load_state_dict(ddp.HookState("int8").state_dict())
 
 
+def test_loading_a_checkpoint_from_before_the_plan_forgets_the_plan():
+    from gradcomp import ddp
+
+    before = ddp.HookState("auto").state_dict()
+    state = ddp.HookState("auto", profile=profile(GBIT))
+    state._adopt_plan([planner.Prediction("int8", "allgather", 4096, 1, 0.1, 0.1)])
+    state._planned_at, state._adopted_at, state._hooked_step = 4, 5, 7
+    state._replan_requested = True
+    state.load_state_dict(before)
+    assert state.plan is None and state._chosen == [] and state._planned_at is None
+    assert state._adopted_at is None and state._hooked_step == -1 and not state._replan_requested
+
+
 def _auto_edge_body(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -585,16 +598,17 @@ def _all_reduce_auto_body(rank, world_size):
             sent=stats.bytes_sent,
             dense=stats.dense_bytes,
         )
-    # Measured: the shared planner of "auto" probes the group once, then plans each size.
-    measured = [gradcomp.all_reduce(x.clone(), "auto") for x in (small, big, small)]
+    # Measured: the shared planner of "auto" probes the group once, then plans each size
+    # (an empty tensor first: sent dense, nothing measured for it).
+    measured = [gradcomp.all_reduce(x.clone(), "auto") for x in (torch.empty(0), small, big, small)]
     shared = next(iter(_SHARED_AUTO.values()))
     return dict(
         results=results,
-        plans={n: (p.compressor, p.algorithm) for n, p in auto.plans[next(iter(auto.plans))].items()},
+        plans={key: (p.compressor, p.algorithm) for key, p in auto.plans[next(iter(auto.plans))].items()},
         residuals=sorted(map(str, memory.keys())),
         measured=[(s.compressor, s.algorithm) for s in measured],
         probed=len(shared.profiles),
-        shared_sizes=sorted(next(iter(shared.plans.values()))),
+        shared_sizes=sorted(n for n, _ in next(iter(shared.plans.values()))),
     )
 
 
@@ -604,7 +618,8 @@ def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
     slowest = planner.combine([profile(0.01 * GBIT, overhead=20e-3), profile(1.01 * GBIT, overhead=20e-3)])
     big, small = (planner.choose([n], 2, slowest, ("int8", "int4"))[0] for n in (2**18, 1000))
     assert big.compressor == "int4" and small.compressor == "none"  # the premise
-    assert result["plans"] == {2**18: ("int4", big.algorithm), 1000: ("none", "dense")}
+    f32 = torch.float32
+    assert result["plans"] == {(2**18, f32): ("int4", big.algorithm), (1000, f32): ("none", "dense")}
     runs = result["results"]
     assert runs["big"]["how"] == runs["big again"]["how"] == ("int4", big.algorithm)
     assert runs["small"]["how"] == ("none", "dense") and runs["small"]["error"] < 1e-6
@@ -619,9 +634,10 @@ def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
 
     assert str(key_of("big")) in result["residuals"]
     assert not any(str(key_of("small")) in key for key in result["residuals"])
-    assert result["probed"] == 1 and result["shared_sizes"] == [1000, 2**18]
+    assert result["probed"] == 1 and result["shared_sizes"] == [0, 1000, 2**18]
+    assert result["measured"][0] == ("none", "dense")
     assert all(c in planner.SAFE and a for c, a in result["measured"])
-    assert result["measured"][0] == result["measured"][2]
+    assert result["measured"][1] == result["measured"][3]
 
 
 def test_all_reduce_auto_refuses_what_it_chooses_itself():
