@@ -539,6 +539,13 @@ def plot(records: list[dict], title: str, path: str) -> None:
         axis.text(x, 0 if r["failed"] else r["step_ms"], _bar_label(r), ha="center", va="bottom", fontsize=7)
     axis.set_ylim(0, 1.15 * max(r.get("step_ms", 0) for r in records))
     axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=8)
+    _save(figure, axis, title, path)
+
+
+def _save(figure, axis, title: str, path: str) -> None:
+    """Label the step-time axis, title the figure and write it."""
+    import matplotlib.pyplot as plt
+
     axis.set_ylabel("median step time (ms)")
     axis.legend(fontsize=8)
     axis.set_title(title, fontsize=9)
@@ -727,12 +734,7 @@ def plot_sweep(rows: list[dict], title: str, path: str) -> None:
     axis.set_xticks(range(len(links)), links)
     axis.set_yscale("log")
     axis.set_xlabel("link (tc limit on the loopback; none: unlimited)")
-    axis.set_ylabel("median step time (ms)")
-    axis.legend(fontsize=8)
-    axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(figure, axis, title, path)
 
 
 def main(argv: list[str] | None = None) -> int:
