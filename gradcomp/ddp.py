@@ -369,16 +369,10 @@ class HookState:
     def _choose(self, q, sizes: list[int]) -> list:
         """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles."""
         if q.world_size == 1:  # nothing to send: nothing to compress
-            profile = planner.Profile("one rank", planner.scale.Link(1.0, 0.0), {}, 1, "")
-            return [planner.predict("none", n, 1, profile) for n in sizes]
-        if self.profile is None:
-            # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
-            grid = planner.link_sizes(sizes)
-            profile, _ = planner.probe(grid, self.allow, sizes, group=q.group, repeat=5, device=self._device)
-        else:
-            everyone = [None] * q.world_size
-            dist.all_gather_object(everyone, self.profile, group=q.group)
-            profile = planner.combine(everyone)
+            return planner.dense_plan(sizes)
+        # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
+        grid = planner.link_sizes(sizes)
+        profile = planner.agreed_profile(self.profile, self.allow, grid, sizes, q.group, self._device)
         return planner.choose(sizes, q.world_size, profile, self.allow)
 
     def replan(self) -> None:

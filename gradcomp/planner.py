@@ -370,8 +370,7 @@ class Auto:
         plan = plans.get(key)
         if plan is None:
             if q.world_size == 1 or tensor.numel() == 0:  # nothing to send
-                one = Profile("one rank", scale.Link(1.0, 0.0), {}, 1, "")
-                plan = predict("none", tensor.numel(), 1, one)
+                plan = dense_plan([tensor.numel()])[0]
             else:
                 plan = choose([tensor.numel()], q.world_size, self._profile(q, tensor), self.allow)[0]
             plans[key] = plan
@@ -383,15 +382,11 @@ class Auto:
     def _profile(self, q, tensor: torch.Tensor) -> Profile:
         found = self.profiles.get(q.group)
         if found is None:
-            if self.profile is None:
-                # Later calls of other sizes plan from these lines: a grid up to 1M elements at least.
-                grid = link_sizes([tensor.numel(), 2**20])
-                found, _ = probe(grid, self.allow, grid, group=q.group, device=tensor.device)
-            else:
-                everyone = [None] * q.world_size
-                dist.all_gather_object(everyone, self.profile, group=q.group)
-                found = combine(everyone)
-            self.profiles[q.group] = found
+            # Later calls of other sizes plan from these lines: a grid up to 1M elements at least.
+            grid = link_sizes([tensor.numel(), 2**20])
+            found = self.profiles[q.group] = agreed_profile(
+                self.profile, self.allow, grid, grid, q.group, tensor.device
+            )
         return found
 
 
@@ -407,6 +402,23 @@ def checked_candidates(allow, profile: Profile | None = None) -> tuple:
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
     return allow
+
+
+def dense_plan(numels: list[int]) -> list[Prediction]:
+    """Every bucket dense: what one rank (or an empty tensor) sends, which is nothing."""
+    one = Profile("one rank", scale.Link(1.0, 0.0), {}, 1, "")
+    return [predict("none", n, 1, one) for n in numels]
+
+
+def agreed_profile(injected: Profile | None, allow, sizes: list[int], codec_sizes: list[int], group, device):
+    """Every rank's profile combined (the slowest of each): ``injected`` where given, else
+    measured by :func:`probe` on ``device`` (the link at ``sizes``, the codecs at
+    ``codec_sizes``). A collective: every rank calls it at the same point."""
+    if injected is None:
+        return probe(sizes, allow, codec_sizes, group=group, device=device)[0]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, injected, group=group)
+    return combine(everyone)
 
 
 def link_sizes(sizes: list[int]) -> list[int]:
