@@ -55,11 +55,24 @@ def _entry(rank, world_size, address, port, setup, group_timeout, threads, resul
         if rank == 0:
             with open(result_path, "wb") as file:
                 pickle.dump(result, file)
+        _all_done(world_size)
     finally:
         from gradcomp import collectives  # the package imports this module
 
         collectives.release_queues()
         dist.destroy_process_group()
+
+
+def _all_done(world_size: int, limit: float = 30.0) -> None:
+    """Wait (at most ``limit`` seconds) until every rank's body has returned, so that no rank
+    tears its connections down while another still reads from them. Through the
+    store, not a collective: a body may leave its group broken (a timeout it tested).
+    A rank that raised never gets here: the parent stops the others."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("gradcomp/spawn/done", 1)
+    deadline = time.monotonic() + limit
+    while store.add("gradcomp/spawn/done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def run_ranks(
