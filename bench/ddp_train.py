@@ -245,8 +245,8 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         state.flush()  # every bucket's statistics recorded
         kept = state.stats[-timed:]
         sent = statistics.mean(s.bytes_sent for s in kept)
-        if run["options"].get("algorithm") == "hierarchical":
-            inter = statistics.mean(s.bytes_sent_inter for s in kept)
+        if run["options"].get("algorithm") == "hierarchical" or run.get("name") == "auto":
+            inter = statistics.mean(s.bytes_sent_inter for s in kept)  # auto: 0 unless it went hierarchical
         compress_ms = 1e3 * statistics.mean(s.compress_seconds for s in kept)
     elif run["kind"] == "powersgd":
         elements = (state.total_numel_after_compression - psgd_before) / timed
@@ -255,7 +255,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         sent, compress_ms = ring_all_reduce_bytes(numel * WIRE_BYTES[run["kind"]], world_size), math.nan
     note = run.get("note", "")
     if run.get("name") == "auto":  # what the planner picked, bucket by bucket
-        picks = collections.Counter(f"{p.compressor} {p.algorithm}" for p in state.plan)
+        picks = collections.Counter(f"{p.compressor} {p.how}" for p in state.plan)
         note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
     with torch.no_grad():
         inputs, labels = samples(12345, 2048, settings)

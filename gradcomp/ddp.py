@@ -46,6 +46,7 @@ from gradcomp.collectives import (
     queue_for,
     ring_all_reduce_bytes,
 )
+from gradcomp.collectives.hierarchical import check_node_size, shard_bounds, shard_key
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -75,7 +76,8 @@ class StepStats:
             0 for a fully dense step).
         buckets, compressed_buckets: buckets seen, and how many were compressed.
         compressors: bucket index -> the compressor and algorithm it went
-            through (``"int4 two_phase"``; ``"none dense"`` when dense).
+            through (``"int4 two_phase"``, ``"int8 hierarchical(allgather)"``;
+            ``"none dense"`` when dense).
     """
 
     step: int
@@ -241,8 +243,11 @@ class HookState:
             raise ValueError(f"drift must be a positive fraction or None, got {drift!r}")
         self.check_every, self.drift, self.replan_every = check_every, drift, replan_every
         if auto:
-            if algorithm is not None or node_size is not None or inter_algorithm is not None:
-                raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
+            if algorithm is not None or inter_algorithm is not None:
+                raise ValueError(
+                    "compressor='auto' chooses the algorithm: drop algorithm and inter_algorithm "
+                    "(node_size, where given, says which ranks share a node)"
+                )
             allow = planner.checked_candidates(allow, profile)
             warmup_steps = (
                 max(warmup_steps, AUTO_MIN_WARMUP) if isinstance(warmup_steps, int) else warmup_steps
@@ -271,7 +276,10 @@ class HookState:
         self.warmup_steps = warmup_steps
         self.min_numel = min_numel
         self.algorithm = None if algorithm is None else check_algorithm(self.compressor, algorithm)
-        check_hierarchy_options(self.compressor, algorithm, node_size, inter_algorithm)
+        if auto:
+            check_node_size(node_size)
+        else:
+            check_hierarchy_options(self.compressor, algorithm, node_size, inter_algorithm)
         self.node_size = node_size
         self.inter_algorithm = inter_algorithm
         self.measure_error = bool(measure_error)
@@ -310,7 +318,7 @@ class HookState:
             if self.plan is not None:
                 saved["plan"] = _saved_plan(self.plan)
                 saved["auto_adopted_at"] = self._adopted_at
-                saved["auto_last"] = {i: (self._label(c), a) for i, (c, a) in self._last.items()}
+                saved["auto_last"] = {i: self._described_choice(last) for i, last in self._last.items()}
                 if self._pending is not None:
                     self._pending.wait()  # a check of the step just ended: its plan applies from the next
                 if self._replanned is not None:
@@ -333,7 +341,8 @@ class HookState:
             self._adopt_plan(_loaded_plan(state["plan"]))
             self._adopted_at = state.get("auto_adopted_at", int(state["step"]))
             self._last = {
-                i: (planner.candidate(label), a) for i, (label, a) in state.get("auto_last", {}).items()
+                i: (planner.candidate(label), a, *(inter or (None,)))
+                for i, (label, a, *inter) in state.get("auto_last", {}).items()
             }
             if "next_plan" in state:
                 self._replanned = _loaded_plan(state["next_plan"])
@@ -372,7 +381,16 @@ class HookState:
             return planner.dense_plan(sizes)
         # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
         grid = planner.link_sizes(sizes)
-        profile = planner.agreed_profile(self.profile, self.allow, grid, sizes, q.group, self._device)
+        hierarchy = hierarchy_for(q, self.node_size)  # made by the hook, on its first call
+        profile = planner.agreed_profile(
+            self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
+        )
+        nodes, layout = profile.nodes, (hierarchy.node_size, len(hierarchy.nodes))
+        if nodes is not None and (nodes.size, nodes.count) != layout:
+            raise ValueError(
+                f"gradcomp auto: the profile's nodes hold {nodes.count} x {nodes.size} ranks, "
+                f"the group's {layout[1]} x {layout[0]} ({hierarchy.source})"
+            )
         return planner.choose(sizes, q.world_size, profile, self.allow)
 
     def replan(self) -> None:
@@ -400,9 +418,9 @@ class HookState:
         """(hook, first bucket of ``step``) Adopt the plan the last check made."""
         plan, self._replanned = self._replanned, None
         changed = [
-            f"bucket {i}: {old.compressor} {old.algorithm} -> {new.compressor} {new.algorithm}"
+            f"bucket {i}: {old.compressor} {old.how} -> {new.compressor} {new.how}"
             for i, (old, new) in enumerate(zip(self.plan, plan, strict=True))
-            if (old.compressor, old.algorithm) != (new.compressor, new.algorithm)
+            if (old.compressor, old.how) != (new.compressor, new.how)
         ]
         if changed:
             logger.info("gradcomp auto plan changes from step %d: %s", step, "; ".join(changed))
@@ -455,17 +473,18 @@ class HookState:
         self._chosen = [planner.candidate(p.compressor) for p in plan]
         self.plan = plan
 
-    def _choice(self, index: int, numel: int) -> tuple[Compressor, str | None]:
+    def _choice(self, index: int, numel: int) -> tuple[Compressor, str | None, str | None]:
+        """The compressor, algorithm and algorithm between nodes of bucket ``index``."""
         if not self.auto:
-            return self.compressor, self.algorithm
+            return self.compressor, self.algorithm, self.inter_algorithm
         if not self.plan:  # not planned yet (a step without the sizes to plan from): dense
-            return _DENSE, "dense"
+            return _DENSE, "dense", None
         if index >= len(self.plan) or self.plan[index].numel != numel:
             raise RuntimeError(
                 f"gradcomp auto: bucket {index} ({numel:,} elements) is not in the plan "
                 f"({[p.numel for p in self.plan]}): DDP changed its buckets after the plan was made"
             )
-        return self._chosen[index], self.plan[index].algorithm
+        return self._chosen[index], self.plan[index].algorithm, self.plan[index].inter_algorithm
 
     def flush(self) -> None:
         """Wait until the worker has recorded the statistics of every bucket submitted so far
@@ -499,12 +518,14 @@ class HookState:
                 self._sizes = {"step": step}
             self._sizes[index] = tensor.numel()
         dense = step < self.warmup_steps or tensor.numel() < self.min_numel
-        compressor, algorithm = (_DENSE, "dense") if dense else self._choice(index, tensor.numel())
+        choice = (_DENSE, "dense", None) if dense else self._choice(index, tensor.numel())
+        compressor, algorithm, inter = choice
         dense = dense or compressor.name == "none"
         compressor = _DENSE if dense else compressor
         algorithm = "dense" if dense else algorithm or default_algorithm(compressor, q.world_size)
+        inter = inter if algorithm == HIERARCHICAL else None
         if self.auto:
-            self._carry(index, tensor, compressor, algorithm, q)
+            self._carry(index, tensor, (compressor, algorithm, inter), q)
         job = Job(
             tensor,
             compressor,
@@ -517,32 +538,52 @@ class HookState:
             shapes=self.buckets.shapes_of(layout) if compressor.low_rank else None,
         )
         if job.algorithm == HIERARCHICAL:
-            job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), self.inter_algorithm
+            job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), inter
         reduced = yield from job_steps(job, q)
-        self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {job.algorithm}", started)
+        how = f"{job.algorithm}({reduced.inter_algorithm})" if reduced.inter_algorithm else job.algorithm
+        self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {how}", started)
         return tensor
 
-    def _carry(self, index: int, tensor: torch.Tensor, compressor: Compressor, algorithm: str, q) -> None:
+    def _carry(self, index: int, tensor: torch.Tensor, now: tuple, q) -> None:
         """(worker) Before bucket ``index`` first goes through another compressor or
-        algorithm: the owner's residual of a two-phase reduction is added to this
-        rank's input where it owned (times the ranks: the hook averages), and the
-        sender's residual too where the new compressor keeps none; so the next
-        reduction sends what compression held back."""
-        previous, self._last[index] = self._last.get(index), (compressor, algorithm)
-        now = (self._label(compressor), algorithm)
-        if previous is None or (self._label(previous[0]), previous[1]) == now:
+        algorithm (``now``: compressor, algorithm, algorithm between nodes): what the
+        last one held back is added to this rank's input, so that the next reduction
+        sends it. The owner's residual of a two-phase reduction where it owned (times
+        the ranks: the hook averages); the sender's where the new reduction keeps it
+        under another key or keeps none (a hierarchical shard's where the shard lies,
+        times the node's ranks: the node averages before the stage between nodes)."""
+        previous, self._last[index] = self._last.get(index), now
+        if previous is None or self._described_choice(previous) == self._described_choice(now):
             return
+        compressor, algorithm, _ = now
         flat = tensor.view(-1)
-        owner = self.feedback.pop(("two_phase", index))
-        if owner is not None:
+        keeps = compressor.name != "none" and compressor.needs_feedback
+        if previous[1] == HIERARCHICAL:
+            hierarchy = hierarchy_for(q, self.node_size)
+            start, own, length = shard_bounds(flat.numel(), hierarchy)
+            key, inter = shard_key(index, hierarchy), hierarchy.inter
+            shard, scale = flat[start : start + own], hierarchy.node_size
+            owner = owner_ranges(previous[0], previous[2], length, inter.world_size, inter.rank, flat.device)
+            same_key = algorithm == HIERARCHICAL
+        else:
+            key, shard, scale = index, flat, 1
+            owner = owner_ranges(*previous[:2], flat.numel(), q.world_size, q.rank, flat.device)
+            same_key = algorithm != HIERARCHICAL
+        held = self.feedback.pop(("two_phase", key))
+        if held is not None:
             at = 0
-            for start, end in owner_ranges(*previous, flat.numel(), q.world_size, q.rank, flat.device):
-                flat[start:end].add_(owner[at : at + end - start].to(flat.dtype), alpha=q.world_size)
-                at += end - start
-        if compressor.name == "none" or not compressor.needs_feedback:
-            sender = self.feedback.pop(index)
+            for begin, end in owner:
+                end_ = min(end, shard.numel())  # a shard's padding holds nothing of the input
+                if end_ > begin:
+                    shard[begin:end_].add_(held[at : at + end_ - begin].to(flat.dtype), alpha=q.world_size)
+                at += end - begin
+        if not (same_key and keeps):
+            sender = self.feedback.pop(key)
             if sender is not None:
-                flat.add_(sender.to(flat.dtype))
+                shard.add_(sender[: shard.numel()].to(flat.dtype), alpha=scale)
+
+    def _described_choice(self, choice: tuple) -> tuple:
+        return (self._label(choice[0]), *choice[1:])
 
     # Jobs start in submission order but may finish out of it (a dense bucket
     # can finish while an earlier one waits on its exchange): a step's
@@ -570,7 +611,7 @@ class HookState:
         in bucket order, like every other bucket's)."""
         nbytes = ring_all_reduce_bytes(numel * itemsize, world)
         reduced = ReduceStats(bytes_sent=nbytes, dense_bytes=nbytes, algorithm="dense")
-        self._last[index] = (_DENSE, "dense")
+        self._last[index] = (_DENSE, "dense", None)
         self._finish_bucket(step, index, reduced, "none dense", self._start_bucket(step, last))
 
     def reduce_held(self, step: int, q) -> None:
@@ -593,6 +634,7 @@ def _saved_plan(plan: list) -> list:
             p.exchange_seconds,
             p.codec_seconds,
             p.overlap_seconds,
+            p.inter_algorithm,
         )
         for p in plan
     ]
@@ -605,7 +647,7 @@ def _loaded_plan(saved: list) -> list:
 
 def _described(plan: list) -> str:
     return "; ".join(
-        f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.algorithm}, "
+        f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.how}, "
         f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
         for i, p in enumerate(plan)
     )
@@ -692,8 +734,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         >>> ddp_model.register_comm_hook(HookState("int8"), hook)
     """
     q = queue_for(state.process_group)
-    if state.algorithm == HIERARCHICAL:
-        hierarchy_for(q, state.node_size)  # its groups are made here, on the first call, in order
+    if state.algorithm == HIERARCHICAL or (state.auto and q.world_size > 1):
+        # Its groups are made here, on the first call, in order (auto: the planner
+        # measures its levels where the group spans several nodes).
+        hierarchy_for(q, state.node_size)
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
     layout = state.buckets.layout_of(bucket)
@@ -744,7 +788,8 @@ def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bo
         return False
     # A bucket that was compressed until this plan goes once more through the
     # worker, which folds its residuals into this reduction (HookState._carry).
-    return index not in state.feedback and ("two_phase", index) not in state.feedback
+    last = state._last.get(index)
+    return last is None or last[0].name == "none"
 
 
 def _done(timed: list | None, item: int | None, future: torch.futures.Future) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import scale
-from gradcomp.collectives.algorithms import ALGORITHMS, check_algorithm
+from gradcomp.collectives.algorithms import ALGORITHMS, HIERARCHICAL, check_algorithm
 from gradcomp.collectives.stats import ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase_segments
 from gradcomp.compressors import Compressor, Context, get_compressor
@@ -46,8 +46,6 @@ from gradcomp.compressors import Compressor, Context, get_compressor
 SAFE = ("none", "bf16", "int8", "int4")
 # ``name@value`` sets this option of the compressor (``topk@0.01``).
 _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": "block", "int4": "block"}
-# Algorithms auto does not pick by itself: they need a node layout.
-_NOT_PLANNED = ("hierarchical",)
 STORED = pathlib.Path(__file__).with_name("profiles")
 _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
 # A compressor must be predicted this much faster than dense to be chosen: on the
@@ -134,8 +132,39 @@ class Codec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Nodes:
+    """A group cut into ``count`` nodes of ``size`` ranks, as measured for the
+    ``hierarchical`` algorithm: ``stages``, the seconds of a node's dense stages
+    (the reduce-scatter and the all-gather of ``n`` elements, through shared
+    memory or collectives); ``link`` and ``links`` (per collective, like
+    :class:`Profile`'s), between nodes as the ranks of one local rank see it
+    while every local rank's group runs at once (they share the nodes' NICs)."""
+
+    size: int
+    count: int
+    stages: Linear
+    link: scale.Link
+    links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dict(
+            size=self.size,
+            count=self.count,
+            stages=dataclasses.asdict(self.stages),
+            link=dataclasses.asdict(self.link),
+            links={k: dataclasses.asdict(v) for k, v in self.links.items()},
+        )
+
+    @staticmethod
+    def from_json(data: dict) -> Nodes:
+        links = {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+        return Nodes(data["size"], data["count"], Linear(**data["stages"]), scale.Link(**data["link"]), links)
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
-    """What a machine measured: the link and each compressor's codec."""
+    """What a machine measured: the link and each compressor's codec; ``nodes``, where the
+    group spans several nodes of several ranks, the levels of the hierarchical algorithm."""
 
     device: str
     link: scale.Link  # the all-reduce's fit, and every collective's without one of its own
@@ -143,6 +172,7 @@ class Profile:
     world_size: int = 2
     note: str = ""
     links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)  # "all_gather", "all_to_all"
+    nodes: Nodes | None = None
 
     def with_link(self, bandwidth: float | None = None, latency: float | None = None) -> Profile:
         """This profile on another link (bytes/s per rank, seconds per step), every
@@ -172,14 +202,16 @@ class Profile:
             link=dataclasses.asdict(self.link),
             links={k: dataclasses.asdict(v) for k, v in self.links.items()},
             codecs={k: dataclasses.asdict(c) for k, c in self.codecs.items()},
+            **({"nodes": self.nodes.to_json()} if self.nodes else {}),
         )
 
     @staticmethod
     def from_json(data: dict) -> Profile:
         codecs = {k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()}
         links = {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+        nodes = Nodes.from_json(data["nodes"]) if data.get("nodes") else None
         return Profile(
-            data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"], links
+            data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"], links, nodes
         )
 
     def save(self, path: str | pathlib.Path) -> None:
@@ -200,7 +232,8 @@ class Profile:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """A bucket's predicted all-reduce: the exchange and the encode/decode passes, less
-    what of them overlaps (a pipelined two_phase)."""
+    what of them overlaps (a pipelined two_phase). For ``hierarchical``, the exchange
+    holds the node's dense stages too, and ``bytes_sent`` both levels' bytes."""
 
     compressor: str
     algorithm: str
@@ -209,12 +242,18 @@ class Prediction:
     exchange_seconds: float
     codec_seconds: float
     overlap_seconds: float = 0.0
+    inter_algorithm: str | None = None  # hierarchical: the algorithm between nodes
     # Filled in by the DDP hook's "auto" as it runs; not part of what a prediction is.
     observed_seconds: float = dataclasses.field(default=math.nan, compare=False)
 
     @property
     def seconds(self) -> float:
         return self.exchange_seconds + self.codec_seconds - self.overlap_seconds
+
+    @property
+    def how(self) -> str:
+        """The algorithm in words: ``two_phase``, ``hierarchical(allgather)``."""
+        return f"{self.algorithm}({self.inter_algorithm})" if self.inter_algorithm else self.algorithm
 
 
 def passes(algorithm: str, world_size: int) -> tuple[float, int, float, int]:
@@ -240,8 +279,14 @@ def predict(
     world_size: int,
     profile: Profile,
     algorithm: str | None = None,
+    inter_algorithm: str | None = None,
 ) -> Prediction:
     """The predicted time of one all-reduce of ``numel`` fp32 elements.
+
+    ``hierarchical`` (the profile must hold its :class:`Nodes`): the node's
+    dense stages, then the compressed all-reduce of a shard (``numel`` over
+    the node size) among the nodes with ``inter_algorithm`` (default: the
+    compressor's), on the link between nodes.
 
     A two_phase all-reduce of a long CPU tensor runs as a pipeline of ``S``
     segments (:func:`gradcomp.collectives.two_phase_segments`): one segment's
@@ -251,6 +296,8 @@ def predict(
     compressor = candidate(compressor)
     if compressor.low_rank:
         raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
+    if algorithm == HIERARCHICAL:
+        return _predict_hierarchical(compressor, numel, world_size, profile, inter_algorithm)
     algorithm = check_algorithm(compressor, algorithm, world_size)
     cost = scale.cost(compressor, numel, world_size, algorithm)
     exchange = cost.seconds(profile.link, profile.links)
@@ -269,6 +316,29 @@ def predict(
     return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec, overlap)
 
 
+def _predict_hierarchical(
+    compressor: Compressor, numel: int, world_size: int, profile: Profile, inter_algorithm: str | None
+) -> Prediction:
+    nodes = profile.nodes
+    if nodes is None or nodes.size * nodes.count != world_size:
+        held = f"nodes of {nodes.count} x {nodes.size} ranks" if nodes else "no nodes"
+        raise ValueError(f"hierarchical over {world_size} ranks: the profile has {held}")
+    shard = -(-numel // nodes.size)
+    between = dataclasses.replace(profile, link=nodes.link, links=nodes.links, nodes=None)
+    inner = predict(compressor, shard, nodes.count, between, inter_algorithm)
+    intra = 2 * (nodes.size - 1) * shard * 4  # what a ring would send in the node (hierarchical's count)
+    return Prediction(
+        label(compressor),
+        HIERARCHICAL,
+        numel,
+        intra + inner.bytes_sent,
+        nodes.stages.seconds(numel) + inner.exchange_seconds,
+        inner.codec_seconds,
+        inner.overlap_seconds,
+        inner.algorithm,
+    )
+
+
 def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
     """Every (compressor, algorithm) pair the candidates can run at this world size (``none``: dense only)."""
     pairs, seen = [], set()
@@ -280,7 +350,7 @@ def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
         if compressor.low_rank:
             raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
         for algorithm in ALGORITHMS:
-            if algorithm in _NOT_PLANNED or (compressor.name == "none" and algorithm != "dense"):
+            if compressor.name == "none" and algorithm != "dense":
                 continue  # dense fp32 goes as torch's all-reduce
             try:
                 check_algorithm(compressor, algorithm, world_size)
@@ -295,11 +365,18 @@ def choose(
 ) -> list[Prediction]:
     """Per bucket, the candidate pair with the least predicted time (ties: fewer bytes, then the
     earlier candidate). ``none`` is always a candidate, and a compressor is chosen over it only
-    when predicted at least ``margin`` faster: a smaller gain is within the model's error."""
-    pairs = options(["none", *[c for c in candidates if c != "none"]], world_size)
+    when predicted at least ``margin`` faster: a smaller gain is within the model's error.
+    Where the profile has :class:`Nodes` (several of several ranks), every compressor is
+    also considered ``hierarchical`` with each algorithm between nodes."""
+    pairs = [(c, a, None) for c, a in options(["none", *[c for c in candidates if c != "none"]], world_size)]
+    nodes = profile.nodes
+    if nodes is not None and nodes.size > 1 and nodes.count > 1:
+        # Between nodes, any algorithm a compressor can run there; fp32 dense goes flat.
+        compressed = [c for c in candidates if label(candidate(c)) != "none"]
+        pairs += [(c, HIERARCHICAL, a) for c, a in options(compressed, nodes.count)]
     best = {}  # buckets are mostly of one size: predict each size once
     for numel in set(numels):
-        predictions = [predict(c, numel, world_size, profile, a) for c, a in pairs]
+        predictions = [predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs]
         dense = predictions[0]
         fastest = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
         best[numel] = fastest if fastest.seconds <= (1 - margin) * dense.seconds else dense
@@ -321,7 +398,27 @@ def combine(profiles: list[Profile]) -> Profile:
             codecs[key] = Codec(
                 *(_slowest([getattr(p.codecs[key], w) for p in profiles]) for w in ("encode", "decode"))
             )
-    return dataclasses.replace(first, link=link, codecs=codecs, links=links)
+    return dataclasses.replace(first, link=link, codecs=codecs, links=links, nodes=_combine_nodes(profiles))
+
+
+def _combine_nodes(profiles: list[Profile]) -> Nodes | None:
+    """The slowest of every rank's nodes measurements; None unless every rank has one of one layout."""
+    everyone = [p.nodes for p in profiles]
+    if any(n is None for n in everyone) or len({(n.size, n.count) for n in everyone}) > 1:
+        return None
+    first = everyone[0]
+    links = {
+        name: _slowest_link([n.links[name] for n in everyone])
+        for name in first.links
+        if all(name in n.links for n in everyone)
+    }
+    return Nodes(
+        first.size,
+        first.count,
+        _slowest([n.stages for n in everyone]),
+        _slowest_link([n.link for n in everyone]),
+        links,
+    )
 
 
 def _slowest_link(links: list[scale.Link]) -> scale.Link:
@@ -410,12 +507,15 @@ def dense_plan(numels: list[int]) -> list[Prediction]:
     return [predict("none", n, 1, one) for n in numels]
 
 
-def agreed_profile(injected: Profile | None, allow, sizes: list[int], codec_sizes: list[int], group, device):
+def agreed_profile(
+    injected: Profile | None, allow, sizes: list[int], codec_sizes: list[int], group, device, hierarchy=None
+):
     """Every rank's profile combined (the slowest of each): ``injected`` where given, else
     measured by :func:`probe` on ``device`` (the link at ``sizes``, the codecs at
-    ``codec_sizes``). A collective: every rank calls it at the same point."""
+    ``codec_sizes``; the levels of ``hierarchy`` where it has several nodes of several
+    ranks). A collective: every rank calls it at the same point."""
     if injected is None:
-        return probe(sizes, allow, codec_sizes, group=group, device=device)[0]
+        return probe(sizes, allow, codec_sizes, group=group, device=device, hierarchy=hierarchy)[0]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, injected, group=group)
     return combine(everyone)
@@ -559,6 +659,44 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     return Codec(Linear.fit(sizes, encode), Linear.fit(sizes, decode))
 
 
+def measure_nodes(hierarchy, sizes: list[int], repeat: int = 5, device=None) -> tuple[Nodes, list[dict]]:
+    """Time ``hierarchy``'s levels (a :class:`gradcomp.collectives.hierarchical.Hierarchy`
+    of several nodes): the node's dense stages of ``sizes`` elements, fitted as
+    ``overhead + n / rate``, and between nodes the all-reduce, all-gather and all-to-all
+    of every local rank's group at once. Every rank of the hierarchy's group must call it."""
+    from gradcomp.collectives.algorithms import Job
+    from gradcomp.collectives.hierarchical import hierarchical, node_stages_only
+    from gradcomp.collectives.stats import ReduceStats
+    from gradcomp.collectives.worker import drive
+
+    device = torch.device(device or default_device(hierarchy.intra.group))
+    stages_only, seconds, numels = node_stages_only(hierarchy), [], sorted(set(sizes))
+    for numel in numels:
+        flat = torch.ones(numel, device=device)
+        job = Job(flat, get_compressor("none"), "avg", HIERARCHICAL, None, key=0, step=0)
+
+        def stages(job=job, flat=flat) -> None:
+            drive(hierarchical(job, flat, stages_only, ReduceStats()))
+            _synchronize(flat)
+
+        dist.barrier(group=hierarchy.intra.group)
+        seconds.append(_median_seconds(stages, repeat))
+    stages_only.areas.clear()
+    rows = [dict(collective="node stages", numel=n, seconds=t) for n, t in zip(numels, seconds, strict=True)]
+    # Between nodes: every local rank's group at once, as in training (they share the NICs).
+    shards = sorted({max(1, -(-n // hierarchy.node_size)) for n in sizes})
+    dist.barrier(group=hierarchy.intra.group)
+    link, more = measure_link(shards, hierarchy.inter.group, repeat, device)
+    links, collectives = measure_collectives(shards, hierarchy.inter.group, repeat, device)
+    for row in more:
+        row["collective"] = "all_reduce"
+    for row in [*more, *collectives]:
+        row["collective"] = "between nodes: " + row["collective"]
+    stages = Linear.fit(numels, seconds)
+    nodes = Nodes(hierarchy.node_size, len(hierarchy.nodes), stages, link, links)
+    return nodes, rows + more + collectives
+
+
 def probe(
     sizes: list[int],
     compressors,
@@ -566,11 +704,14 @@ def probe(
     group=None,
     repeat: int = 5,
     device=None,
+    hierarchy=None,
 ):
     """Measure this group's link and, on every rank, each compressor's codec on ``device``
     (default: CUDA for an NCCL group, else CPU); every rank returns the same
     :class:`Profile` (the slowest of each measurement) and the timings of each
-    collective (all-reduce, all-gather, all-to-all; ``collective`` in each row)."""
+    collective (all-reduce, all-gather, all-to-all; ``collective`` in each row).
+    With a ``hierarchy`` of several nodes of several ranks, its levels too
+    (:func:`measure_nodes`; the codecs also at the shards' sizes)."""
     device = torch.device(device or default_device(group))
     link, rows = measure_link(sizes, group, repeat, device)
     for row in rows:
@@ -579,16 +720,20 @@ def probe(
         measure_collectives(sizes, group, repeat, device) if dist.get_world_size(group) > 1 else ({}, [])
     )
     rows += more
+    codec_sizes = set(codec_sizes or sizes)
+    nodes = None
+    if hierarchy is not None and hierarchy.node_size > 1 and len(hierarchy.nodes) > 1:
+        nodes, more = measure_nodes(hierarchy, sizes, repeat, device)
+        rows += more
+        codec_sizes |= {max(1, -(-n // hierarchy.node_size)) for n in codec_sizes}
     codecs = {}
     for spec in compressors:
         compressor = candidate(spec)
         if compressor.name != "none":
-            codecs[label(compressor)] = measure_codec(
-                compressor, sorted(set(codec_sizes or sizes)), device, repeat
-            )
+            codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, repeat)
     world = dist.get_world_size(group)
     mine = Profile(
-        device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks", links
+        device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks", links, nodes
     )
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)

@@ -152,6 +152,90 @@ def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     assert json.loads(path.read_text())["link"]["bandwidth"] == GBIT
 
 
+STAGES = planner.Linear(1e-4, 1e9)  # a node's dense stages: 0.1 ms, then 1G elements a second
+FREE = planner.Linear(0.0, 1e12)  # stages that take no time
+
+
+def _two_nodes(between: float, stages: planner.Linear = STAGES) -> planner.Nodes:
+    """Two nodes of four ranks, ``between`` bytes a second from node to node."""
+    return planner.Nodes(4, 2, stages, scale.Link(between, 20e-6))
+
+
+def test_hierarchical_is_the_nodes_stages_plus_a_shards_reduction_between_nodes():
+    p = dataclasses.replace(profile(10 * GBIT), world_size=8, nodes=_two_nodes(GBIT))
+    got = planner.predict("int8", BUCKET, 8, p, "hierarchical", "allgather")
+    between = dataclasses.replace(p, link=p.nodes.link, nodes=None)
+    inner = planner.predict("int8", BUCKET // 4, 2, between, "allgather")
+    assert got.how == "hierarchical(allgather)" and got.inter_algorithm == "allgather"
+    assert got.exchange_seconds == pytest.approx(p.nodes.stages.seconds(BUCKET) + inner.exchange_seconds)
+    assert got.codec_seconds == inner.codec_seconds
+    assert got.bytes_sent == 2 * 3 * (BUCKET // 4) * 4 + inner.bytes_sent
+    # Without an algorithm between nodes, the compressor's default there.
+    assert planner.predict("int8", BUCKET, 8, p, "hierarchical").inter_algorithm == "two_phase"
+    for bad in (profile(GBIT), dataclasses.replace(p, nodes=planner.Nodes(2, 2, p.nodes.stages, p.link))):
+        with pytest.raises(ValueError, match="hierarchical over 8 ranks"):
+            planner.predict("int8", BUCKET, 8, bad, "hierarchical")
+
+
+def test_a_slow_link_between_fast_nodes_picks_hierarchical_and_one_node_never_does():
+    # 10 Gbit/s measured over the whole group, 1 Gbit/s between nodes: the flat ring's
+    # fit hides the slow hop, which the nodes' measurement shows.
+    flat = dataclasses.replace(profile(GBIT), world_size=8)
+    nodes = dataclasses.replace(flat, nodes=_two_nodes(GBIT))
+    chosen = planner.choose([BUCKET], 8, nodes)[0]
+    assert (chosen.compressor, chosen.algorithm) == ("int4", "hierarchical")
+    assert chosen.seconds < planner.choose([BUCKET], 8, flat)[0].seconds
+    # Slow stages inside the node (a second each): flat again.
+    slow_stages = dataclasses.replace(flat, nodes=_two_nodes(GBIT, planner.Linear(1.0, 1e9)))
+    assert planner.choose([BUCKET], 8, slow_stages)[0].algorithm != "hierarchical"
+    # One node, or nodes of one rank: nothing to choose between.
+    for size, count in ((8, 1), (1, 8)):
+        one = dataclasses.replace(flat, nodes=planner.Nodes(size, count, FREE, flat.link))
+        assert planner.choose([BUCKET], 8, one)[0].algorithm != "hierarchical"
+    # fp32 dense goes flat: "none" is never hierarchical.
+    assert all(p.algorithm == "dense" for p in planner.choose([BUCKET], 8, nodes, candidates=("none",)))
+
+
+def test_nodes_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
+    first = dataclasses.replace(profile(GBIT), nodes=_two_nodes(GBIT))
+    # Slower between nodes, faster stages (overhead aside); a fit of one collective only.
+    nodes = _two_nodes(GBIT / 2, planner.Linear(2e-4, 2e9))
+    nodes = dataclasses.replace(nodes, links={"all_gather": scale.Link(GBIT, 1e-5)})
+    second = dataclasses.replace(profile(GBIT), nodes=nodes)
+    both = planner.combine([first, second])
+    assert both.nodes == planner.Nodes(4, 2, planner.Linear(2e-4, 1e9), scale.Link(GBIT / 2, 20e-6), {})
+    path = tmp_path / "profile.json"
+    both.save(path)
+    assert planner.Profile.load(path) == both
+    # A rank without nodes (or with another layout): no hierarchical for anyone.
+    assert planner.combine([first, profile(GBIT)]).nodes is None
+    other = dataclasses.replace(profile(GBIT), nodes=planner.Nodes(2, 4, planner.Linear(0, 1e9), first.link))
+    assert planner.combine([first, other]).nodes is None
+
+
+def _probe_nodes_body(rank, world_size):
+    from gradcomp.collectives import hierarchy_for, queue_for
+
+    hierarchy = hierarchy_for(queue_for(None), 2)
+    found, rows = planner.probe([256, 4096], ["int8"], [4096], repeat=1, hierarchy=hierarchy)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, found)
+    return everyone, rows
+
+
+@pytest.mark.slow
+def test_a_probe_over_two_nodes_measures_both_levels_and_every_rank_agrees():
+    everyone, rows = spawn.run_ranks(_probe_nodes_body, 4, timeout=180)
+    assert all(p == everyone[0] for p in everyone)
+    nodes = everyone[0].nodes
+    assert (nodes.size, nodes.count) == (2, 2) and set(nodes.links) == {"all_gather", "all_to_all"}
+    assert nodes.stages.rate > 0 and nodes.link.bandwidth > 0
+    # The node's stages at the sizes given; between nodes, at the shards' (half of them).
+    assert [r["numel"] for r in rows if r["collective"] == "node stages"] == [256, 4096]
+    assert [r["numel"] for r in rows if r["collective"] == "between nodes: all_reduce"] == [128, 2048]
+    assert all(r["seconds"] > 0 for r in rows)
+
+
 def _probe_body(rank, world_size):
     # Each rank measures its own codecs; the profiles must come back identical.
     found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
@@ -352,8 +436,12 @@ def test_auto_options_are_checked():
         ddp.HookState("auto", allow=("int3",))
     with pytest.raises(ValueError, match="low-rank"):
         ddp.HookState("auto", allow=("int8", "powersgd"))
-    with pytest.raises(ValueError, match="chooses the algorithm"):
-        ddp.HookState("auto", algorithm="allgather")
+    for bad in ({"algorithm": "allgather"}, {"inter_algorithm": "allgather"}):
+        with pytest.raises(ValueError, match="chooses the algorithm"):
+            ddp.HookState("auto", **bad)
+    with pytest.raises(ValueError, match="node_size must be a positive integer"):
+        ddp.HookState("auto", node_size=0)
+    assert ddp.HookState("auto", node_size=2).node_size == 2  # says where the nodes are
     with pytest.raises(ValueError, match="options of compressor='auto'"):
         ddp.HookState("int8", allow=("int8",))
     with pytest.raises(TypeError, match="Profile"):
@@ -438,7 +526,11 @@ REPLAN_PROFILES = [
 ]
 
 
-def _replan_body(rank, world_size, steps, periodic):
+# Steps at which the next profile comes in and one rank asks for a re-plan.
+REQUESTS = (4, 6, 9)
+
+
+def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, node_size=None):
     from torch.nn.parallel import DistributedDataParallel
 
     from gradcomp import ddp
@@ -450,9 +542,15 @@ def _replan_body(rank, world_size, steps, periodic):
     model = DistributedDataParallel(net)
     allow = ("int8", "int4", "topk")
     every = 2 if periodic else None
-    first = REPLAN_PROFILES[0]
     state = ddp.register(
-        model, "auto", allow=allow, profile=first, warmup_steps=2, check_every=2, replan_every=every
+        model,
+        "auto",
+        allow=allow,
+        profile=profiles[0],
+        warmup_steps=2,
+        check_every=2,
+        replan_every=every,
+        node_size=node_size,
     )
     # A linear loss: every step's gradient is the same, so error feedback must deliver
     # steps * lr * (their mean) in all, whatever the compressors did on the way.
@@ -465,15 +563,12 @@ def _replan_body(rank, world_size, steps, periodic):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     plans, gaps = {}, {}
     for step in range(steps):
-        # Requests from one rank at a time: every rank re-plans at the next check
-        # (periodic: every check re-plans).
-        if step == 4:
-            state.profile = REPLAN_PROFILES[1]
-            if rank == 0 and not periodic:
-                state.replan()
-        if step == 6:
-            state.profile = REPLAN_PROFILES[2]
-            if rank == world_size - 1 and not periodic:
+        # Requests from one rank at a time (0, the last, 1): every rank re-plans at
+        # the next check (periodic: every check re-plans).
+        if step in REQUESTS[: len(profiles) - 1]:
+            i = REQUESTS.index(step)
+            state.profile = profiles[i + 1]
+            if rank == (0, world_size - 1, 1)[i] and not periodic:
                 state.replan()
         optimizer.zero_grad()
         (model(x) * c).sum().backward()
@@ -514,6 +609,45 @@ def test_a_plan_change_mid_run_carries_the_residuals_and_loses_nothing(periodic)
     assert max(gaps[s] for s in range(9, 12)) < 1e-6 * scale_
     assert result["residuals"] == [] and result["replicas_equal"]
     assert all(0 < t < 5 for t in result["observed"])
+
+
+def _nodes(stages: planner.Linear = FREE) -> planner.Nodes:
+    """Two nodes of two ranks: a slow link between them (its all-to-all faster: two_phase pays)."""
+    slow, fast = scale.Link(0.01 * GBIT, 20e-6), scale.Link(GBIT, 20e-6)
+    return planner.Nodes(2, 2, stages, slow, {"all_gather": slow, "all_to_all": fast})
+
+
+# On 2 nodes of 2 ranks: int4 hierarchical, Top-K flat (the node's stages slow), int8
+# hierarchical, then dense (every link fast); each compressed one two_phase (owners' residuals).
+NODE_PROFILES = [
+    planner.Profile("a", _nodes().link, _codecs(int8=1e9, int4=1e9, topk=1e5), 4, nodes=_nodes()),
+    planner.Profile(
+        "b", _nodes().link, _codecs(int8=1e6, int4=1e6, topk=1e9), 4, nodes=_nodes(planner.Linear(1.0, 1e3))
+    ),
+    planner.Profile("c", _nodes().link, _codecs(int8=1e9, int4=1e6, topk=1e5), 4, nodes=_nodes()),
+    planner.Profile(
+        "d",
+        scale.Link(100 * GBIT, 1e-6),
+        _codecs(int8=1e6, int4=1e6, topk=1e6),
+        4,
+        nodes=planner.Nodes(2, 2, FREE, scale.Link(100 * GBIT, 1e-6)),
+    ),
+]
+
+
+@pytest.mark.slow
+def test_a_plan_moving_between_hierarchical_and_flat_carries_the_residuals():
+    result = spawn.run_ranks(_replan_body, 4, 15, False, NODE_PROFILES, 2, timeout=300)
+    expected = ["none dense"] * 2 + ["int4 hierarchical(two_phase)"] * 4 + ["topk two_phase"] * 3
+    expected += ["int8 hierarchical(two_phase)"] * 3 + ["none dense"] * 3
+    assert [how for _, how in result["stats"]] == expected
+    # Shards' residuals (sender's and owner's between nodes) went into the flat Top-K's
+    # input, its residuals into int8's shards, and the first dense step sent the rest.
+    gaps, scale_ = result["gaps"], result["scale"]
+    assert gaps[1] < 1e-7 * scale_ and min(gaps[s] for s in range(2, 9)) > 0.01 * scale_
+    assert min(gaps[s] for s in range(9, 12)) > 1e-4 * scale_  # int8 holds back less
+    assert max(gaps[s] for s in range(12, 15)) < 1e-6 * scale_
+    assert result["residuals"] == [] and result["replicas_equal"]
 
 
 def _drift_body(rank, world_size, steps, slow_from):

@@ -277,7 +277,7 @@ def _between_nodes(job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: R
         job.op,
         job.inter_algorithm or default_algorithm(job.compressor, inter.world_size),
         job.feedback,
-        key=mix_seed(job.key, _SHARD_KEY, hierarchy.intra.rank),
+        key=shard_key(job.key, hierarchy),
         step=job.step,
         measure_error=job.measure_error,
     )
@@ -286,6 +286,28 @@ def _between_nodes(job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: R
     stats.compress_seconds += reduced.compress_seconds
     stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
     stats.inter_algorithm = reduced.algorithm
+
+
+def shard_key(key: int, hierarchy: Hierarchy) -> int:
+    """The key of this rank's shard of job ``key``: its residuals are kept under it
+    (and, for a two_phase between nodes, the owner's under ``("two_phase", it)``)."""
+    return mix_seed(key, _SHARD_KEY, hierarchy.intra.rank)
+
+
+def shard_bounds(numel: int, hierarchy: Hierarchy) -> tuple[int, int, int]:
+    """Where this rank's shard of ``numel`` elements starts, how many of them it holds
+    (the last shards may be padding) and its padded length."""
+    size = hierarchy.intra.world_size
+    length = -(-numel // size)
+    start = hierarchy.intra.rank * length
+    return min(start, numel), max(0, min(start + length, numel) - start), length
+
+
+def node_stages_only(hierarchy: Hierarchy) -> Hierarchy:
+    """``hierarchy`` without the stage between nodes (to time the node's stages), with
+    shared areas of its own (freed with it)."""
+    inter = Level(None, hierarchy.inter.rank, 1)
+    return dataclasses.replace(hierarchy, inter=inter, areas={})
 
 
 @dataclasses.dataclass
