@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -143,6 +144,26 @@ def parser() -> argparse.ArgumentParser:
         "machine); --bandwidth and --latency, when given, replace its link",
     )
     plan.add_argument(
+        "--node-size",
+        type=_at_least(1),
+        default=None,
+        help="with --params: ranks per node; --bandwidth is then each rank's share of the link between "
+        "nodes, and the hierarchical algorithm is weighed too",
+    )
+    plan.add_argument(
+        "--intra-bandwidth",
+        type=_quantity(_RATES, "intra-bandwidth"),
+        default=None,
+        help="with --node-size: per rank inside a node, e.g. 900gb (default: the profile's link, "
+        "measured inside one machine)",
+    )
+    plan.add_argument(
+        "--intra-latency",
+        type=_quantity(_TIMES, "intra-latency"),
+        default=None,
+        help="with --node-size: per collective step inside a node, e.g. 5us (default: the profile's)",
+    )
+    plan.add_argument(
         "--world-sizes",
         type=_world_sizes,
         default=[2**i for i in range(1, 11)],
@@ -198,9 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "plan":
         if args.params is None:
-            given = [
-                f"--{k.replace('_', '-')}" for k in ("world", "compute_ms", "profile") if getattr(args, k)
-            ]
+            options = ("world", "compute_ms", "profile", "node_size", "intra_bandwidth", "intra_latency")
+            given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k) is not None]
             if given or args.allow != ",".join(planner.SAFE):
                 sys.stderr.write(f"gradcomp plan: {', '.join(given) or '--allow'} needs --params\n")
                 return 2
@@ -292,6 +312,8 @@ def _buckets(params: int, bucket_mb: float) -> list[int]:
 
 
 def _decide(args) -> int:
+    from gradcomp.collectives import scale
+
     if args.params < 1 or args.bucket_mb <= 0:
         sys.stderr.write("gradcomp plan: --params must be at least 1 and --bucket-mb positive\n")
         return 2
@@ -308,9 +330,21 @@ def _decide(args) -> int:
     except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
+    inside = profile.link
     if args.bandwidth is not None or args.latency is not None:
         profile = profile.with_link(args.bandwidth, args.latency)
     world = args.world or 8
+    if (args.intra_bandwidth is not None or args.intra_latency is not None) and args.node_size is None:
+        sys.stderr.write("gradcomp plan: --intra-bandwidth and --intra-latency need --node-size\n")
+        return 2
+    if args.node_size is not None:
+        if world % args.node_size:
+            sys.stderr.write(f"gradcomp plan: --node-size {args.node_size} does not divide {world} ranks\n")
+            return 2
+        latency = inside.latency if args.intra_latency is None else args.intra_latency
+        inside = scale.Link(args.intra_bandwidth or inside.bandwidth, latency)
+        nodes = planner.Nodes.on_links(args.node_size, world // args.node_size, inside, profile.link)
+        profile = dataclasses.replace(profile, nodes=nodes)
     buckets = _buckets(args.params, args.bucket_mb)
     link = profile.link
     print(
@@ -318,12 +352,16 @@ def _decide(args) -> int:
         f"link {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, {link.latency * 1e6:.3g} us per step; "
         f"compress and decode times of {profile.device} ({profile.note})"
     )
+    if args.node_size is not None:
+        print(
+            f"nodes of {args.node_size} ranks: inside one {inside.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, "
+            f"{inside.latency * 1e6:.3g} us per step; the link above is each rank's share between nodes"
+        )
     try:
-        pairs = planner.options(["none", *candidates], world)
         totals = []
-        for compressor, algorithm in pairs:
-            once = {n: planner.predict(compressor, n, world, profile, algorithm) for n in set(buckets)}
-            totals.append((planner.label(compressor), algorithm, [once[n] for n in buckets]))
+        for compressor, algorithm, inter in planner.choices(candidates, world, profile.nodes):
+            once = {n: planner.predict(compressor, n, world, profile, algorithm, inter) for n in set(buckets)}
+            totals.append((planner.label(compressor), once[buckets[0]].how, [once[n] for n in buckets]))
         plan = planner.choose(buckets, world, profile, candidates)
     except (KeyError, ValueError) as error:
         sys.stderr.write(f"gradcomp plan: {error.args[0]}\n")
@@ -350,7 +388,7 @@ def _decide(args) -> int:
     chosen = sum(p.seconds for p in plan)
     picks: dict[tuple[str, str], int] = {}
     for p in plan:
-        picks[(p.compressor, p.algorithm)] = picks.get((p.compressor, p.algorithm), 0) + 1
+        picks[(p.compressor, p.how)] = picks.get((p.compressor, p.how), 0) + 1
     what = ", ".join(
         f"{name} ({algorithm}) for {count} bucket{'s' * (count > 1)}"
         for (name, algorithm), count in picks.items()

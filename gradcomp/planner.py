@@ -146,6 +146,15 @@ class Nodes:
     link: scale.Link
     links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)
 
+    @staticmethod
+    def on_links(size: int, count: int, inside: scale.Link, between: scale.Link) -> Nodes:
+        """Nodes whose stages run as ring collectives on ``inside`` (a reduce-scatter and an
+        all-gather: ``2 (size-1)`` steps, ``2 (size-1)/size`` of the fp32 bytes a rank), with
+        ``between`` from node to node: what a model of a cluster assumes without measuring."""
+        steps = 2 * (size - 1)
+        rate = inside.bandwidth * size / (4 * steps) if steps else _FASTEST
+        return Nodes(size, count, Linear(steps * inside.latency, min(rate, _FASTEST)), between)
+
     def to_json(self) -> dict:
         return dict(
             size=self.size,
@@ -360,6 +369,19 @@ def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
     return pairs
 
 
+def choices(candidates, world_size: int, nodes: Nodes | None = None) -> list[tuple[Compressor, str, str]]:
+    """Every (compressor, algorithm, algorithm between nodes) :func:`choose` weighs: ``none``
+    dense first, then each candidate's flat :func:`options` and, on several ``nodes`` of several
+    ranks, each compressor hierarchical with every algorithm it can run between them (fp32
+    dense goes flat). The third item is None for the flat ones."""
+    flat = options(["none", *[c for c in candidates if c != "none"]], world_size)
+    found = [(c, a, None) for c, a in flat]
+    if nodes is not None and nodes.size > 1 and nodes.count > 1:
+        compressed = [c for c in candidates if label(candidate(c)) != "none"]
+        found += [(c, HIERARCHICAL, a) for c, a in options(compressed, nodes.count)]
+    return found
+
+
 def choose(
     numels: list[int], world_size: int, profile: Profile, candidates=SAFE, margin: float = MARGIN
 ) -> list[Prediction]:
@@ -368,12 +390,7 @@ def choose(
     when predicted at least ``margin`` faster: a smaller gain is within the model's error.
     Where the profile has :class:`Nodes` (several of several ranks), every compressor is
     also considered ``hierarchical`` with each algorithm between nodes."""
-    pairs = [(c, a, None) for c, a in options(["none", *[c for c in candidates if c != "none"]], world_size)]
-    nodes = profile.nodes
-    if nodes is not None and nodes.size > 1 and nodes.count > 1:
-        # Between nodes, any algorithm a compressor can run there; fp32 dense goes flat.
-        compressed = [c for c in candidates if label(candidate(c)) != "none"]
-        pairs += [(c, HIERARCHICAL, a) for c, a in options(compressed, nodes.count)]
+    pairs = choices(candidates, world_size, profile.nodes)
     best = {}  # buckets are mostly of one size: predict each size once
     for numel in set(numels):
         predictions = [predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs]

@@ -311,6 +311,30 @@ def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys
     assert "link 400 Gbit/s per rank, 5 us per step" in capsys.readouterr().out
 
 
+def test_plan_on_nodes_weighs_hierarchical_with_the_link_inside_a_node(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    profile(GBIT).save(path)
+    argv = ["plan", "--params", "350M", "--world", "16", "--profile", str(path), "--node-size", "8"]
+    # 1 Gbit/s between nodes, NVLink-like inside: the shard's int4 between nodes wins.
+    assert cli.main([*argv, "--intra-bandwidth", "900gb", "--intra-latency", "5us"]) == 0
+    text = capsys.readouterr().out
+    assert "nodes of 8 ranks: inside one 7.2e+03 Gbit/s per rank, 5 us per step" in text
+    rows = {tuple(line.split()[:2]) for line in text.splitlines()}
+    expected = {("int8", "two_phase"), ("int4", "hierarchical(two_phase)"), ("bf16", "hierarchical(dense)")}
+    assert expected <= rows
+    assert ("none", "hierarchical(dense)") not in rows
+    buckets = 350_000_000 // BUCKET + 1
+    assert f"auto picks: int4 (hierarchical(allgather)) for {buckets} buckets" in text
+    # Inside a node no faster than between nodes (the profile's own 1 Gbit/s): flat.
+    assert cli.main(argv) == 0
+    assert f"auto picks: int4 (two_phase) for {buckets} buckets" in capsys.readouterr().out
+    assert cli.main([*argv[:-1], "5"]) == 2
+    assert "--node-size 5 does not divide 16 ranks" in capsys.readouterr().err
+    assert cli.main([*argv[:-2], "--intra-bandwidth", "1gbit"]) == 2
+    assert "need --node-size" in capsys.readouterr().err
+    assert cli.main(["plan", "--node-size", "2"]) == 2 and "needs --params" in capsys.readouterr().err
+
+
 def test_plan_refuses_what_it_cannot_model(tmp_path, capsys):
     path = tmp_path / "profile.json"
     profile(GBIT).save(path)
