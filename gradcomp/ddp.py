@@ -385,12 +385,6 @@ class HookState:
         profile = planner.agreed_profile(
             self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
         )
-        nodes, layout = profile.nodes, (hierarchy.node_size, len(hierarchy.nodes))
-        if nodes is not None and (nodes.size, nodes.count) != layout:
-            raise ValueError(
-                f"gradcomp auto: the profile's nodes hold {nodes.count} x {nodes.size} ranks, "
-                f"the group's {layout[1]} x {layout[0]} ({hierarchy.source})"
-            )
         return planner.choose(sizes, q.world_size, profile, self.allow)
 
     def replan(self) -> None:

@@ -455,8 +455,12 @@ class Auto:
     takes ``profile``; every rank's figures combine, so every rank chooses
     alike. Each new size is then planned from those lines (:func:`choose`)
     and keeps its choice; :attr:`plans` holds them per group, keyed by
-    (elements, dtype). An empty tensor is sent dense without measuring. ``gradcomp.all_reduce(t, "auto")``
-    uses one shared instance with the :data:`SAFE` candidates.
+    (elements, dtype). An empty tensor is sent dense without measuring. Where
+    the group spans several nodes of several ranks (``all_reduce``'s
+    ``node_size``, else ``LOCAL_WORLD_SIZE``, else host names), the first call
+    also measures the nodes' levels and each size may go ``hierarchical``.
+    ``gradcomp.all_reduce(t, "auto")`` uses one shared instance with the
+    :data:`SAFE` candidates.
 
     Args:
         allow: the candidates (default :data:`SAFE`; ``"topk@0.01"``-style or objects).
@@ -477,8 +481,9 @@ class Auto:
     def settings(self) -> dict:
         return {"name": "auto", "allow": [label(candidate(c)) for c in self.allow]}
 
-    def choice(self, q, tensor: torch.Tensor) -> tuple[Compressor, str, str]:
-        """(on ``q``'s worker) The compressor, algorithm and label for ``tensor`` on ``q``'s group."""
+    def choice(self, q, tensor: torch.Tensor, hierarchy=None) -> tuple[Compressor, Prediction]:
+        """(on ``q``'s worker) The compressor and the plan for ``tensor`` on ``q``'s group
+        (``hierarchy``: its nodes, where the hierarchical algorithm may be weighed)."""
         plans = self.plans.setdefault(q.group, {})
         key = (tensor.numel(), tensor.dtype)
         plan = plans.get(key)
@@ -486,20 +491,21 @@ class Auto:
             if q.world_size == 1 or tensor.numel() == 0:  # nothing to send
                 plan = dense_plan([tensor.numel()])[0]
             else:
-                plan = choose([tensor.numel()], q.world_size, self._profile(q, tensor), self.allow)[0]
+                profile = self._profile(q, tensor, hierarchy)
+                plan = choose([tensor.numel()], q.world_size, profile, self.allow)[0]
             plans[key] = plan
         compressor = self._chosen.get(plan.compressor)
         if compressor is None:
             compressor = self._chosen[plan.compressor] = candidate(plan.compressor)
-        return compressor, plan.algorithm, plan.compressor
+        return compressor, plan
 
-    def _profile(self, q, tensor: torch.Tensor) -> Profile:
+    def _profile(self, q, tensor: torch.Tensor, hierarchy) -> Profile:
         found = self.profiles.get(q.group)
         if found is None:
             # Later calls of other sizes plan from these lines: a grid up to 1M elements at least.
             grid = link_sizes([tensor.numel(), 2**20])
             found = self.profiles[q.group] = agreed_profile(
-                self.profile, self.allow, grid, grid, q.group, tensor.device
+                self.profile, self.allow, grid, grid, q.group, tensor.device, hierarchy
             )
         return found
 
@@ -530,12 +536,28 @@ def agreed_profile(
     """Every rank's profile combined (the slowest of each): ``injected`` where given, else
     measured by :func:`probe` on ``device`` (the link at ``sizes``, the codecs at
     ``codec_sizes``; the levels of ``hierarchy`` where it has several nodes of several
-    ranks). A collective: every rank calls it at the same point."""
+    ranks). A collective: every rank calls it at the same point.
+
+    Raises:
+        ValueError: the profile's nodes are not ``hierarchy``'s (an injected profile's).
+    """
     if injected is None:
         return probe(sizes, allow, codec_sizes, group=group, device=device, hierarchy=hierarchy)[0]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, injected, group=group)
-    return combine(everyone)
+    profile = combine(everyone)
+    nodes = profile.nodes
+    if nodes is not None and hierarchy is not None and (nodes.size, nodes.count) != _layout(hierarchy):
+        size, count = _layout(hierarchy)
+        raise ValueError(
+            f"gradcomp auto: the profile's nodes hold {nodes.count} x {nodes.size} ranks, "
+            f"the group's {count} x {size} ({hierarchy.source})"
+        )
+    return profile
+
+
+def _layout(hierarchy) -> tuple[int, int]:
+    return hierarchy.node_size, len(hierarchy.nodes)
 
 
 def link_sizes(sizes: list[int]) -> list[int]:

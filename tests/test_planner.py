@@ -798,12 +798,59 @@ def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
     assert result["measured"][1] == result["measured"][3]
 
 
+def _all_reduce_auto_nodes_body(rank, world_size):
+    import gradcomp
+
+    x = torch.randn(2**16, generator=torch.Generator().manual_seed(rank))
+    # Injected: a slow link between nodes that take no time inside.
+    slow = scale.Link(0.01 * GBIT, 20e-6)
+    nodes = dataclasses.replace(profile(0.01 * GBIT), world_size=4, nodes=planner.Nodes(2, 2, FREE, slow))
+    auto = planner.Auto(allow=("int8",), profile=nodes)
+    out = x.clone()
+    stats = gradcomp.all_reduce(out, auto, node_size=2, feedback=False)
+    plan = next(iter(auto.plans.values()))[(2**16, torch.float32)]
+    static = x.clone()
+    inter = plan.inter_algorithm
+    gradcomp.all_reduce(
+        static, "int8", algorithm="hierarchical", node_size=2, inter_algorithm=inter, feedback=False
+    )
+    everyone = [torch.empty_like(out) for _ in range(world_size)]
+    dist.all_gather(everyone, out)
+    # Measured: the first call times the nodes' levels too.
+    measured = planner.Auto(allow=("int8",))
+    gradcomp.all_reduce(x.clone(), measured, node_size=2)
+    # An injected profile of other nodes than the group's is refused on every rank.
+    other = planner.Auto(
+        allow=("int8",), profile=dataclasses.replace(nodes, nodes=planner.Nodes(4, 1, FREE, slow))
+    )
+    with pytest.raises(ValueError, match="nodes hold 1 x 4 ranks, the group's 2 x 2"):
+        gradcomp.all_reduce(x.clone(), other, node_size=2)
+    return dict(
+        how=(stats.compressor, stats.algorithm, stats.inter_algorithm, plan.how),
+        as_static=torch.equal(out, static),
+        same=all(torch.equal(everyone[0], e) for e in everyone),
+        nodes=next(iter(measured.profiles.values())).nodes,
+    )
+
+
+@pytest.mark.slow
+def test_all_reduce_auto_weighs_hierarchical_on_several_nodes():
+    result = spawn.run_ranks(_all_reduce_auto_nodes_body, 4, timeout=180)
+    compressor, algorithm, inter, how = result["how"]
+    assert (compressor, algorithm) == ("int8", "hierarchical") and how == f"hierarchical({inter})"
+    assert result["as_static"] and result["same"]
+    nodes = result["nodes"]
+    assert (nodes.size, nodes.count) == (2, 2) and nodes.stages.rate > 0 and nodes.link.bandwidth > 0
+
+
 def test_all_reduce_auto_refuses_what_it_chooses_itself():
     import gradcomp
 
-    for bad in ({"algorithm": "allgather"}, {"node_size": 2}):
+    for bad in ({"algorithm": "allgather"}, {"inter_algorithm": "allgather"}):
         with pytest.raises(ValueError, match="chooses the algorithm"):
             gradcomp.all_reduce(torch.ones(4), "auto", **bad)
+    with pytest.raises(ValueError, match="node_size must be a positive integer"):
+        gradcomp.all_reduce(torch.ones(4), "auto", node_size=0)
     with pytest.raises(ValueError, match="unknown compressor"):
         planner.Auto(allow=("int3",))
     with pytest.raises(TypeError, match="Profile"):

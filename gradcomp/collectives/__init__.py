@@ -88,9 +88,10 @@ _SHARED_AUTO: dict = {}
 
 def _auto_steps(auto, job: Job, q: CollectiveQueue):
     # On the worker, in call order: the first call on a group measures it (a collective).
-    job.compressor, job.algorithm, name = auto.choice(q, job.tensor)
+    job.compressor, plan = auto.choice(q, job.tensor, job.hierarchy)
+    job.algorithm, job.inter_algorithm = plan.algorithm, plan.inter_algorithm
     stats = yield from job_steps(job, q)
-    stats.compressor = name
+    stats.compressor = plan.compressor
     return stats
 
 
@@ -203,7 +204,8 @@ def all_reduce(
             decodes once more, without feedback) and waits for the result.
         node_size: ranks per node for ``"hierarchical"`` (consecutive ranks
             of the group); default torchrun's ``LOCAL_WORLD_SIZE``, else the
-            ranks' host names.
+            ranks' host names. With ``"auto"``, the nodes it finds this way
+            let it weigh the hierarchical algorithm too.
         inter_algorithm: the algorithm between nodes for ``"hierarchical"``
             (default from the compressor and the number of nodes).
 
@@ -221,8 +223,11 @@ def all_reduce(
         from gradcomp import planner  # it imports this package
 
         if planner.is_auto(compressor):
-            if algorithm is not None or node_size is not None or inter_algorithm is not None:
-                raise ValueError("compressor='auto' chooses the algorithm: drop algorithm, node_size")
+            if algorithm is not None or inter_algorithm is not None:
+                raise ValueError(
+                    "compressor='auto' chooses the algorithm: drop algorithm and inter_algorithm "
+                    "(node_size, where given, says which ranks share a node)"
+                )
             auto = planner.Auto() if isinstance(compressor, str) else compressor
             auto = _SHARED_AUTO.setdefault(settings_key(auto), auto) if isinstance(compressor, str) else auto
     compressor = auto or get_compressor(compressor)
@@ -230,10 +235,11 @@ def all_reduce(
     ops.check_forced_backend()
     op = resolve_op(op)
     if auto is not None:
-        algorithm = None
-    elif algorithm is not None:
-        check_algorithm(compressor, algorithm)
-    check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
+        check_node_size(node_size)
+    else:
+        if algorithm is not None:
+            check_algorithm(compressor, algorithm)
+        check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
     residuals, counters = _default_feedback(compressor)
     if feedback is False:
         residuals = None
@@ -248,6 +254,8 @@ def all_reduce(
     q = queue_for(group)
     if auto is not None:
         job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
+        if q.world_size > 1:  # made here, in call order; auto weighs hierarchical on several nodes
+            job.hierarchy = hierarchy_for(q, node_size)
         steps = functools.partial(_auto_steps, auto, job, q)
         future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce")
     else:
