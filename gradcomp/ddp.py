@@ -434,6 +434,9 @@ class HookState:
             times = self._times.get(s, {})
             if len(times) != len(self.plan) or any(t[1] is None for t in times.values()):
                 continue
+            times = _in_seconds(times)
+            if times is None:  # a GPU's events not done yet
+                continue
             total, free = 0.0, -math.inf
             for index, (hooked, reduced) in sorted(times.items(), key=lambda item: item[1][0]):
                 share = max(0.0, reduced - max(hooked, free))
@@ -534,6 +537,10 @@ class HookState:
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), inter
         reduced = yield from job_steps(job, q)
+        if self.auto and streams.uses_streams(tensor.device):
+            timed = self._times.get(step, {}).get(index)
+            if timed is not None:  # after the job's last kernel and collective, on the worker's stream
+                timed[1] = streams.timing_event(tensor.device)
         how = f"{job.algorithm}({reduced.inter_algorithm})" if reduced.inter_algorithm else job.algorithm
         self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {how}", started)
         return tensor
@@ -741,9 +748,11 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     timed = None
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
-        # Drift is timed on CPUs only: a CUDA job's future completes when its
-        # work is queued, not done (re-plan on GPUs with replan_every/replan()).
-        if state._adopted_at is not None and not buffer.is_cuda:
+        if state._adopted_at is not None and streams.uses_streams(buffer.device):
+            # A CUDA job's future completes when its work is queued, not done: its
+            # times are events, from the backward's stream to the worker's (HookState.reduce).
+            state._times.setdefault(step, {})[index] = [streams.timing_event(buffer.device), None]
+        elif state._adopted_at is not None:
             timed = state._times.setdefault(step, {})[index] = [time.perf_counter(), None]
     if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
@@ -772,7 +781,7 @@ def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bo
     # finished during its own step depends on timing, which differs by rank.
     if state._planned_at is None or step <= state._planned_at or not state.plan or index >= len(state.plan):
         return False
-    if buffer.is_cuda:
+    if streams.uses_streams(buffer.device):
         # NCCL may deadlock when two communicators' collectives (the model's
         # group here, the worker's clone there) are issued in orders that
         # differ between ranks: on GPUs every bucket goes through the worker.
@@ -784,6 +793,21 @@ def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bo
     # worker, which folds its residuals into this reduction (HookState._carry).
     last = state._last.get(index)
     return last is None or last[0].name == "none"
+
+
+def _in_seconds(times: dict) -> dict | None:
+    """A step's bucket times in seconds: as they are on CPUs; on GPUs, from the events,
+    counted from the first bucket's start (None while any event is pending)."""
+    first = next(iter(times.values()))[0]
+    if isinstance(first, float):
+        return times
+    seconds = {}
+    for index, (start, end) in times.items():
+        begin, finish = streams.elapsed_seconds(first, start), streams.elapsed_seconds(first, end)
+        if begin is None or finish is None:
+            return None
+        seconds[index] = [begin, finish]
+    return seconds
 
 
 def _done(timed: list | None, item: int | None, future: torch.futures.Future) -> torch.Tensor:

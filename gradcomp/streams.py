@@ -54,6 +54,24 @@ def submitted(device: torch.device):
     return event
 
 
+def timing_event(device: torch.device):
+    """An event that can time, recorded now on the current stream of ``device``
+    (None without streams)."""
+    if not uses_streams(device):
+        return None
+    event = cuda.Event(enable_timing=True)
+    event.record(cuda.current_stream(device))
+    return event
+
+
+def elapsed_seconds(start, end) -> float | None:
+    """Seconds from event ``start`` to event ``end``, once both are done (None
+    before: it never waits)."""
+    if not (start.query() and end.query()):
+        return None
+    return start.elapsed_time(end) / 1e3
+
+
 class WorkerStreams:
     """The streams of one worker thread, one per device, created on first use."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -42,12 +43,20 @@ class FakeStream:
 class FakeEvent:
     _ids = itertools.count(1)
 
-    def __init__(self, fake: FakeCuda):
-        self.fake, self.stream, self.id = fake, None, next(self._ids)
+    def __init__(self, fake: FakeCuda, timing: bool = False):
+        self.fake, self.stream, self.id, self.timing, self.at = fake, None, next(self._ids), timing, None
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream or self.fake.current_stream()
+        self.at = time.perf_counter()  # the host's clock stands for the device's
         self.fake.log.append(("record", self.stream, self))
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.timing and end.timing, "elapsed_time needs events made with enable_timing=True"
+        return (end.at - self.at) * 1e3
 
     def __repr__(self) -> str:
         return f"event{self.id}@{self.stream}"
@@ -67,8 +76,8 @@ class FakeCuda:
     def Stream(self, device=None, priority: int = 0) -> FakeStream:  # noqa: N802 - torch.cuda's name
         return FakeStream(self, f"stream{len(self.log)}")
 
-    def Event(self, **options) -> FakeEvent:  # noqa: N802 - torch.cuda's name
-        return FakeEvent(self)
+    def Event(self, enable_timing: bool = False, **options) -> FakeEvent:  # noqa: N802 - torch.cuda's name
+        return FakeEvent(self, enable_timing)
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream):
@@ -203,3 +212,32 @@ def _all_reduce_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_async_all_reduce_runs_on_the_workers_stream_and_its_wait_on_the_event():
     run_ranks(_all_reduce_runs_on_the_worker_stream, 2)
+
+
+def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
+    from test_ddp import DDP, make_model, train
+
+    from gradcomp import planner
+    from gradcomp.collectives import scale
+
+    fake = install_fake()  # from the start: every bucket takes the GPU's path
+    line = planner.Linear(50e-6, 1e9)
+    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    model = DDP(make_model(), bucket_cap_mb=0.02)
+    state = gradcomp.ddp.register(model, "auto", allow=("int8",), profile=slow, min_numel=0, check_every=2)
+    train(model, rank, world_size, 9)  # planned at step 2, checks at 5 and 7
+    state.flush()
+    fake.restore()
+    assert all(p.compressor == "int8" for p in state.plan)
+    # Each bucket's time came from its two events: the backward's stream, then the worker's.
+    assert all(0 < p.observed_seconds < 5 for p in state.plan), [p.observed_seconds for p in state.plan]
+    timing = [entry for entry in fake.log if entry[0] == "record" and entry[2].timing]
+    starts = [entry for entry in timing if entry[1] is fake.default]
+    ends = [entry for entry in timing if entry[1] is not fake.default]
+    buckets = len(state.plan)
+    assert len(starts) == len(ends) == buckets * (9 - 3) and len({entry[1] for entry in ends}) == 1
+
+
+def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
+    # The fake's events have no synchronize(): a host wait would fail here.
+    run_ranks(_auto_times_gpu_buckets_by_events, 2)
