@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check, one script for one GPU (every step has a timeout; 7.5 minutes at most):
+# GPU check, one script for one GPU (every step has a timeout; 8.5 minutes at most):
 #   1. parity of every GPU implementation against the torch reference:
 #      tests/test_parity.py for the triton backend (real Triton kernels, no
 #      interpreter) and the cuda backend (the CUDA kernels of csrc/, compiled
 #      with NVRTC), then the backend-specific tests/test_triton.py and
-#      tests/test_cuda.py;
+#      tests/test_cuda.py, and auto's CUDA-event timing (tests/test_streams.py -m gpu);
 #   2. the DDP hook end to end (bench/gpu_ddp.py): one rank over NCCL and two
 #      ranks over Gloo on CUDA tensors, against the torch backend, and one step
 #      profiled: which streams gradcomp's kernels ran on, how much they
@@ -50,6 +50,10 @@ parity=${PIPESTATUS[0]}
 timeout 80 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py tests/test_cuda.py 2>&1 \
   | tee "$out/gpu_check-backends.txt"
 backends=${PIPESTATUS[0]}
+# auto's drift check on a GPU: buckets timed by CUDA events (one rank, Gloo on CUDA tensors).
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_streams.py 2>&1 \
+  | tee -a "$out/gpu_check-backends.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || backends=1
 timeout 150 python3 "$repo/bench/gpu_ddp.py" --out "$out" 2>&1 | tee "$out/gpu_check-ddp.txt"
 ddp=${PIPESTATUS[0]}
 cd "$repo"

@@ -241,3 +241,27 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
 def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
     # The fake's events have no synchronize(): a host wait would fail here.
     run_ranks(_auto_times_gpu_buckets_by_events, 2)
+
+
+def _auto_times_buckets_on_a_gpu(rank: int, world_size: int) -> list[float]:
+    from test_ddp import DDP, batches, make_model
+
+    torch.cuda.set_device(0)
+    model = DDP(make_model().cuda(), bucket_cap_mb=0.02)
+    state = gradcomp.ddp.register(model, "auto", min_numel=0, check_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for inputs, labels in batches(rank, world_size, 9):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs.cuda()), labels.cuda()).backward()
+        optimizer.step()
+    state.flush()
+    torch.cuda.synchronize()
+    return [p.observed_seconds for p in state.plan]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_times_buckets_by_cuda_events_on_a_gpu():
+    # One rank over Gloo on CUDA tensors: every bucket through the worker, timed by real events.
+    observed = run_ranks(_auto_times_buckets_on_a_gpu, 1)
+    assert observed and all(0 < t < 5 for t in observed), observed
