@@ -32,8 +32,9 @@ all-reduces per step (its P and Q factors plus the tensors it leaves
 uncompressed), from ``PowerSGDState.total_numel_after_compression``.
 
 On an emulated cluster (``--nodes``, root only; see ``common.EmulatedCluster``)
-the default runs are dense, torch's fp16 hook, flat int8 (``two_phase``)
-and hierarchical int8, int4 and Top-K 1%, and a check of the emulation comes
+the default runs are dense, torch's fp16 hook, flat int8 (``two_phase``),
+hierarchical int8, int4 and Top-K 1% and auto (which weighs hierarchical
+there), and a check of the emulation comes
 first: a dense all-reduce between two nodes must run at the limit, one
 inside a node well above it.
 
@@ -73,12 +74,13 @@ from gradcomp.demo import make_mlp
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
 BASELINES = ("fp16_hook", "powersgd")
-# On an emulated cluster: flat int8 against the hierarchical algorithm.
+# On an emulated cluster: flat int8 against the hierarchical algorithm, and what auto picks.
 CLUSTER_COMPRESSORS = (
     "int8:algorithm=two_phase",
     "int8:algorithm=hierarchical",
     "int4:algorithm=hierarchical",
     "topk:algorithm=hierarchical",
+    "auto",
 )
 CLUSTER_BASELINES = ("fp16_hook",)
 LABELS = {
