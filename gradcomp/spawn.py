@@ -50,29 +50,42 @@ def _entry(rank, world_size, address, port, setup, group_timeout, threads, resul
         world_size=world_size,
         timeout=datetime.timedelta(seconds=group_timeout),
     )
+    store, finished = dist.distributed_c10d._get_default_store(), False
     try:
         result = body(rank, world_size, *args)
         if rank == 0:
             with open(result_path, "wb") as file:
                 pickle.dump(result, file)
-        _all_done(world_size)
+        # No rank tears its connections down while another still reads from them.
+        finished = _count_and_wait(store, "returned", 1, world_size)
     finally:
         from gradcomp import collectives  # the package imports this module
 
         collectives.release_queues()
+        if finished and rank == 0:
+            # Rank 0 holds the store: it goes last, once the others have torn down.
+            _count_and_wait(store, "left", 0, world_size - 1)
         dist.destroy_process_group()
+        if finished and rank != 0:
+            _count_and_wait(store, "left", 1, 0)
 
 
-def _all_done(world_size: int, limit: float = 30.0) -> None:
-    """Wait (at most ``limit`` seconds) until every rank's body has returned, so that no rank
-    tears its connections down while another still reads from them. Through the
-    store, not a collective: a body may leave its group broken (a timeout it tested).
-    A rank that raised never gets here: the parent stops the others."""
-    store = dist.distributed_c10d._get_default_store()
-    store.add("gradcomp/spawn/done", 1)
+def _count_and_wait(store, name: str, add: int, until: int, limit: float = 30.0) -> bool:
+    """Add ``add`` to the store's counter ``name`` and wait (at most ``limit`` seconds)
+    until it reaches ``until``. Through the store, not a collective: a body may leave
+    its group broken (a timeout it tested). A rank that raised never counts: the
+    parent stops the others. Returns False where the store is gone (its host, rank 0,
+    leaves only once every rank has counted)."""
+    key = f"gradcomp/spawn/{name}"
     deadline = time.monotonic() + limit
-    while store.add("gradcomp/spawn/done", 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.01)
+    try:
+        count = store.add(key, add)
+        while count < until and time.monotonic() < deadline:
+            time.sleep(0.01)
+            count = store.add(key, 0)
+    except RuntimeError:  # the store's connection closed: every rank had arrived
+        return False
+    return True
 
 
 def run_ranks(
