@@ -46,7 +46,7 @@ from gradcomp.collectives import (
     queue_for,
     ring_all_reduce_bytes,
 )
-from gradcomp.collectives.hierarchical import check_node_size, shard_bounds, shard_key
+from gradcomp.collectives.hierarchical import check_node_size, nodes_for_auto, shard_bounds, shard_key
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
@@ -381,7 +381,7 @@ class HookState:
             return planner.dense_plan(sizes)
         # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
         grid = planner.link_sizes(sizes)
-        hierarchy = hierarchy_for(q, self.node_size)  # made by the hook, on its first call
+        hierarchy = nodes_for_auto(q, self.node_size)  # made by the hook, on its first call
         profile = planner.agreed_profile(
             self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
         )
@@ -735,10 +735,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         >>> ddp_model.register_comm_hook(HookState("int8"), hook)
     """
     q = queue_for(state.process_group)
-    if state.algorithm == HIERARCHICAL or (state.auto and q.world_size > 1):
-        # Its groups are made here, on the first call, in order (auto: the planner
-        # measures its levels where the group spans several nodes).
-        hierarchy_for(q, state.node_size)
+    if state.algorithm == HIERARCHICAL:
+        hierarchy_for(q, state.node_size)  # its groups are made here, on the first call, in order
+    elif state.auto and q.world_size > 1:
+        nodes_for_auto(q, state.node_size)  # likewise; the planner measures its levels
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
     layout = state.buckets.layout_of(bucket)

@@ -547,11 +547,13 @@ def agreed_profile(
     dist.all_gather_object(everyone, injected, group=group)
     profile = combine(everyone)
     nodes = profile.nodes
-    if nodes is not None and hierarchy is not None and (nodes.size, nodes.count) != _layout(hierarchy):
-        size, count = _layout(hierarchy)
+    if nodes is not None and (hierarchy is None or (nodes.size, nodes.count) != _layout(hierarchy)):
+        group = "has no usable node layout"
+        if hierarchy is not None:
+            size, count = _layout(hierarchy)
+            group = f"holds {count} x {size} ({hierarchy.source})"
         raise ValueError(
-            f"gradcomp auto: the profile's nodes hold {nodes.count} x {nodes.size} ranks, "
-            f"the group's {count} x {size} ({hierarchy.source})"
+            f"gradcomp auto: the profile's nodes hold {nodes.count} x {nodes.size} ranks, the group {group}"
         )
     return profile
 

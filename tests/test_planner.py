@@ -3,6 +3,7 @@ and the probe and plan commands on tiny sizes."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -823,13 +824,18 @@ def _all_reduce_auto_nodes_body(rank, world_size):
     other = planner.Auto(
         allow=("int8",), profile=dataclasses.replace(nodes, nodes=planner.Nodes(4, 1, FREE, slow))
     )
-    with pytest.raises(ValueError, match="nodes hold 1 x 4 ranks, the group's 2 x 2"):
+    with pytest.raises(ValueError, match="nodes hold 1 x 4 ranks, the group holds 2 x 2"):
         gradcomp.all_reduce(x.clone(), other, node_size=2)
+    # Nodes of 3 and 1 ranks by LOCAL_WORLD_SIZE: hierarchical cannot run there, auto plans flat.
+    gradcomp.collectives.release_queues()  # after the refusal above
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    flat = gradcomp.all_reduce(x.clone(), planner.Auto(allow=("int8",), profile=profile(0.01 * GBIT)))
     return dict(
         how=(stats.compressor, stats.algorithm, stats.inter_algorithm, plan.how),
         as_static=torch.equal(out, static),
         same=all(torch.equal(everyone[0], e) for e in everyone),
         nodes=next(iter(measured.profiles.values())).nodes,
+        flat=(flat.compressor, flat.algorithm),
     )
 
 
@@ -841,6 +847,7 @@ def test_all_reduce_auto_weighs_hierarchical_on_several_nodes():
     assert result["as_static"] and result["same"]
     nodes = result["nodes"]
     assert (nodes.size, nodes.count) == (2, 2) and nodes.stages.rate > 0 and nodes.link.bandwidth > 0
+    assert result["flat"][0] == "int8" and result["flat"][1] != "hierarchical"
 
 
 def test_all_reduce_auto_refuses_what_it_chooses_itself():

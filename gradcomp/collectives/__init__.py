@@ -36,7 +36,7 @@ from gradcomp.collectives.algorithms import (
     job_steps,
     owner_ranges,
 )
-from gradcomp.collectives.hierarchical import Hierarchy, check_node_size, hierarchy_for
+from gradcomp.collectives.hierarchical import Hierarchy, check_node_size, hierarchy_for, nodes_for_auto
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, two_phase_segments
 from gradcomp.collectives.worker import (
@@ -255,7 +255,7 @@ def all_reduce(
     if auto is not None:
         job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
         if q.world_size > 1:  # made here, in call order; auto weighs hierarchical on several nodes
-            job.hierarchy = hierarchy_for(q, node_size)
+            job.hierarchy = nodes_for_auto(q, node_size)
         steps = functools.partial(_auto_steps, auto, job, q)
         future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce")
     else:

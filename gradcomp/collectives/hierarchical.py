@@ -57,6 +57,7 @@ _SHARD_KEY = 0x48494552
 # Where a node's ranks share memory for CPU tensors.
 SHARED_MEMORY_DIR = "/dev/shm"
 _OFFER_BYTES = 512  # the shared file's path and token, as local rank 0 broadcasts them
+_NO_LAYOUT = "no usable layout"  # a CollectiveQueue.hierarchies key: auto found none
 
 
 @dataclasses.dataclass
@@ -125,6 +126,24 @@ def hierarchy_for(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
         if existing is None:
             existing = q.hierarchies[node_size] = _build(q, node_size)
         return existing
+
+
+def nodes_for_auto(q: CollectiveQueue, node_size: int | None) -> Hierarchy | None:
+    """The hierarchy ``auto`` may weigh: :func:`hierarchy_for`, or None where the layout
+    found from ``LOCAL_WORLD_SIZE`` or host names cannot serve (nodes of different sizes,
+    ranks that disagree; every rank sees the same views, so every rank gets None and
+    plans flat). A ``node_size`` the user gave still raises. Call it where
+    :func:`hierarchy_for` would be called (the caller's thread, in call order)."""
+    if node_size is not None:
+        return hierarchy_for(q, node_size)
+    if q.hierarchies.get(_NO_LAYOUT):
+        return None
+    try:
+        return hierarchy_for(q, None)
+    except ValueError as error:
+        logger.info("gradcomp auto: no usable node layout (%s); it plans flat", error)
+        q.hierarchies[_NO_LAYOUT] = True
+        return None
 
 
 def _views(q: CollectiveQueue, node_size: int | None) -> list[dict]:
