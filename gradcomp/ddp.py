@@ -266,7 +266,9 @@ class HookState:
         self._replanned: list | None = None  # a check's new plan, adopted at the next step
         self._replan_requested = False
         self._baseline: float | None = None  # observed/predicted in the first window after the plan
-        self._times: dict[int, dict[int, list]] = {}  # step -> bucket -> [hooked, reduced] (perf_counter)
+        # step -> bucket -> its intervals in flight: [[hooked, reduced]] (perf_counter) on CPUs,
+        # [[start, end], ...] events of the worker's stream on GPUs
+        self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
         ops.check_forced_backend()
         self.process_group = process_group
@@ -425,23 +427,26 @@ class HookState:
         """(hook, at a check) How far this rank's communication drifted from the plan, as a fraction
         (-1 when unknown, or on the first window after a plan, which calibrates).
 
-        A step's communication time is the time some bucket was between its hook
-        and its result; a bucket's share is what it added to that time."""
+        A step's communication time is the time some bucket was in flight (on CPUs
+        from its hook to its result; on GPUs while the worker's stream ran its work);
+        a bucket's share is what it added to that time."""
         window = range(step - self.check_every, step)
         ratios, shares = [], {}
         predicted = sum(p.seconds for p in self.plan)
         for s in window:
             times = self._times.get(s, {})
-            if len(times) != len(self.plan) or any(t[1] is None for t in times.values()):
+            if len(times) != len(self.plan) or any(not t or t[-1][1] is None for t in times.values()):
                 continue
-            times = _in_seconds(times)
-            if times is None:  # a GPU's events not done yet
+            intervals = _in_seconds(times)
+            if intervals is None:  # a GPU's events not done yet
                 continue
-            total, free = 0.0, -math.inf
-            for index, (hooked, reduced) in sorted(times.items(), key=lambda item: item[1][0]):
-                share = max(0.0, reduced - max(hooked, free))
+            total, free, mine = 0.0, -math.inf, {}
+            for began, ended, index in sorted(intervals):
+                share = max(0.0, ended - max(began, free))
+                mine[index] = mine.get(index, 0.0) + share
+                total, free = total + share, max(free, ended)
+            for index, share in mine.items():
                 shares.setdefault(index, []).append(share)
-                total, free = total + share, max(free, reduced)
             ratios.append(total / predicted if predicted > 0 else math.nan)
         for old in [s for s in self._times if s < step - _TIMED_STEPS]:
             del self._times[old]
@@ -536,11 +541,9 @@ class HookState:
         )
         if job.algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, self.node_size), inter
-        reduced = yield from job_steps(job, q)
-        if self.auto and streams.uses_streams(tensor.device):
-            timed = self._times.get(step, {}).get(index)
-            if timed is not None:  # after the job's last kernel and collective, on the worker's stream
-                timed[1] = streams.timing_event(tensor.device)
+        timed = self._times.get(step, {}).get(index) if streams.uses_streams(tensor.device) else None
+        steps = job_steps(job, q)
+        reduced = yield from (steps if timed is None else _timed_on_stream(steps, tensor.device, timed))
         how = f"{job.algorithm}({reduced.inter_algorithm})" if reduced.inter_algorithm else job.algorithm
         self._finish_bucket(step, index, reduced, f"{self._label(job.compressor)} {how}", started)
         return tensor
@@ -749,11 +752,12 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
         if state._adopted_at is not None and streams.uses_streams(buffer.device):
-            # A CUDA job's future completes when its work is queued, not done: its
-            # times are events, from the backward's stream to the worker's (HookState.reduce).
-            state._times.setdefault(step, {})[index] = [streams.timing_event(buffer.device), None]
+            # A CUDA job's future completes when its work is queued, not done: the job
+            # times its work on the worker's stream by events (HookState.reduce).
+            state._times.setdefault(step, {})[index] = []
         elif state._adopted_at is not None:
-            timed = state._times.setdefault(step, {})[index] = [time.perf_counter(), None]
+            timed = [time.perf_counter(), None]
+            state._times.setdefault(step, {})[index] = [timed]
     if state.buckets.holds(index, layout):
         # A resumed process: DDP's first buckets differ from the checkpoint's.
         future = streams.new_future(buffer.device)
@@ -795,18 +799,37 @@ def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bo
     return last is None or last[0].name == "none"
 
 
-def _in_seconds(times: dict) -> dict | None:
-    """A step's bucket times in seconds: as they are on CPUs; on GPUs, from the events,
-    counted from the first bucket's start (None while any event is pending)."""
-    first = next(iter(times.values()))[0]
+def _timed_on_stream(steps, device: torch.device, intervals: list):
+    """A job's steps, the work they queue on the current (the worker's) stream timed by
+    events: an interval up to its pause and one from its resumption to its end, so that
+    what the stream runs for other jobs (and its waits on their buckets) is left out."""
+    interval = [streams.timing_event(device), None]
+    try:
+        while True:
+            next(steps)
+            interval[1] = streams.timing_event(device)
+            intervals.append(interval)
+            yield
+            interval = [streams.timing_event(device), None]
+    except StopIteration as done:
+        interval[1] = streams.timing_event(device)
+        intervals.append(interval)
+        return done.value
+
+
+def _in_seconds(times: dict) -> list | None:
+    """A step's intervals in flight as ``(began, ended, bucket)`` seconds: on CPUs as they
+    are; on GPUs from the events, counted from the step's first (None while any is pending)."""
+    first = next(iter(times.values()))[0][0]
     if isinstance(first, float):
-        return times
-    seconds = {}
-    for index, (start, end) in times.items():
-        begin, finish = streams.elapsed_seconds(first, start), streams.elapsed_seconds(first, end)
-        if begin is None or finish is None:
-            return None
-        seconds[index] = [begin, finish]
+        return [(a, b, index) for index, intervals in times.items() for a, b in intervals]
+    seconds = []
+    for index, intervals in times.items():
+        for start, end in intervals:
+            began, ended = streams.elapsed_seconds(first, start), streams.elapsed_seconds(first, end)
+            if began is None or ended is None:
+                return None
+            seconds.append((began, ended, index))
     return seconds
 
 

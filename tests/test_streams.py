@@ -229,13 +229,21 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     state.flush()
     fake.restore()
     assert all(p.compressor == "int8" for p in state.plan)
-    # Each bucket's time came from its two events: the backward's stream, then the worker's.
+    # Each bucket's time came from events around its own work on the worker's stream: up
+    # to its pause and from its resumption (not the stream's waits on other buckets).
     assert all(0 < p.observed_seconds < 5 for p in state.plan), [p.observed_seconds for p in state.plan]
     timing = [entry for entry in fake.log if entry[0] == "record" and entry[2].timing]
-    starts = [entry for entry in timing if entry[1] is fake.default]
-    ends = [entry for entry in timing if entry[1] is not fake.default]
+    streams_used = {entry[1] for entry in timing}
+    assert len(streams_used) == 1 and fake.default not in streams_used
     buckets = len(state.plan)
-    assert len(starts) == len(ends) == buckets * (9 - 3) and len({entry[1] for entry in ends}) == 1
+    assert len(timing) == 4 * buckets * (9 - 3)  # two intervals a bucket (int8 two_phase pauses once)
+    # An interval whose events are not done yet is not read (and never waited for).
+    pending = FakeEvent(fake, timing=True)
+    done = [FakeEvent(fake, timing=True) for _ in range(2)]
+    for event in done:
+        event.record()
+    assert gradcomp.ddp._in_seconds({0: [done], 1: [[done[1], pending]]}) is None
+    assert gradcomp.ddp._in_seconds({0: [done]})[0][0] == 0.0
 
 
 def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
