@@ -331,6 +331,7 @@ def _decide(args) -> int:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
     inside = profile.link
+    profile = dataclasses.replace(profile, nodes=None)  # a probe's nodes: only --node-size says them here
     if args.bandwidth is not None or args.latency is not None:
         profile = profile.with_link(args.bandwidth, args.latency)
     world = args.world or 8

@@ -185,9 +185,10 @@ class Profile:
 
     def with_link(self, bandwidth: float | None = None, latency: float | None = None) -> Profile:
         """This profile on another link (bytes/s per rank, seconds per step), every
-        collective on it (the collectives' own fits were measured on the old one)."""
+        collective on it (the collectives' own fits were measured on the old one, and
+        so were its nodes: they go too)."""
         link = scale.Link(bandwidth or self.link.bandwidth, self.link.latency if latency is None else latency)
-        return dataclasses.replace(self, link=link, links={})
+        return dataclasses.replace(self, link=link, links={}, nodes=None)
 
     @property
     def on_cpu(self) -> bool:
@@ -458,7 +459,8 @@ class Auto:
     (elements, dtype). An empty tensor is sent dense without measuring. Where
     the group spans several nodes of several ranks (``all_reduce``'s
     ``node_size``, else ``LOCAL_WORLD_SIZE``, else host names), the first call
-    also measures the nodes' levels and each size may go ``hierarchical``.
+    also measures the nodes' levels and each size may go ``hierarchical``
+    (profiles and plans made for nodes are keyed by the node size too).
     ``gradcomp.all_reduce(t, "auto")`` uses one shared instance with the
     :data:`SAFE` candidates.
 
@@ -486,6 +488,8 @@ class Auto:
         (``hierarchy``: its nodes, where the hierarchical algorithm may be weighed)."""
         plans = self.plans.setdefault(q.group, {})
         key = (tensor.numel(), tensor.dtype)
+        if hierarchy is not None and len(hierarchy.nodes) > 1:
+            key += (hierarchy.node_size,)  # planned for these nodes
         plan = plans.get(key)
         if plan is None:
             if q.world_size == 1 or tensor.numel() == 0:  # nothing to send
@@ -500,11 +504,12 @@ class Auto:
         return compressor, plan
 
     def _profile(self, q, tensor: torch.Tensor, hierarchy) -> Profile:
-        found = self.profiles.get(q.group)
+        key = q.group if hierarchy is None or len(hierarchy.nodes) == 1 else (q.group, hierarchy.node_size)
+        found = self.profiles.get(key)
         if found is None:
             # Later calls of other sizes plan from these lines: a grid up to 1M elements at least.
             grid = link_sizes([tensor.numel(), 2**20])
-            found = self.profiles[q.group] = agreed_profile(
+            found = self.profiles[key] = agreed_profile(
                 self.profile, self.allow, grid, grid, q.group, tensor.device, hierarchy
             )
         return found
@@ -722,7 +727,7 @@ def measure_nodes(hierarchy, sizes: list[int], repeat: int = 5, device=None) -> 
 
         dist.barrier(group=hierarchy.intra.group)
         seconds.append(_median_seconds(stages, repeat))
-    stages_only.areas.clear()
+        stages_only.areas.clear()  # one size's shared memory at a time
     rows = [dict(collective="node stages", numel=n, seconds=t) for n, t in zip(numels, seconds, strict=True)]
     # Between nodes: every local rank's group at once, as in training (they share the NICs).
     shards = sorted({max(1, -(-n // hierarchy.node_size)) for n in sizes})

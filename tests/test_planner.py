@@ -205,6 +205,7 @@ def test_nodes_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     second = dataclasses.replace(profile(GBIT), nodes=nodes)
     both = planner.combine([first, second])
     assert both.nodes == planner.Nodes(4, 2, planner.Linear(2e-4, 1e9), scale.Link(GBIT / 2, 20e-6), {})
+    assert both.with_link(GBIT).nodes is None  # measured on the old link
     path = tmp_path / "profile.json"
     both.save(path)
     assert planner.Profile.load(path) == both
@@ -334,6 +335,9 @@ def test_plan_on_nodes_weighs_hierarchical_with_the_link_inside_a_node(tmp_path,
     assert cli.main([*argv[:-2], "--intra-bandwidth", "1gbit"]) == 2
     assert "need --node-size" in capsys.readouterr().err
     assert cli.main(["plan", "--node-size", "2"]) == 2 and "needs --params" in capsys.readouterr().err
+    # A profile probed on nodes plans flat unless --node-size says where they are.
+    dataclasses.replace(profile(GBIT), nodes=_two_nodes(GBIT)).save(path)
+    assert cli.main(argv[:-2]) == 0 and "hierarchical" not in capsys.readouterr().out
 
 
 def test_plan_refuses_what_it_cannot_model(tmp_path, capsys):
@@ -555,7 +559,7 @@ REPLAN_PROFILES = [
 REQUESTS = (4, 6, 9)
 
 
-def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, node_size=None):
+def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, node_size=None, outputs=512):
     from torch.nn.parallel import DistributedDataParallel
 
     from gradcomp import ddp
@@ -563,7 +567,7 @@ def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, no
 
     two_phase.SEGMENT_ELEMENTS = 2**12  # several segments: the owner's chunks lie apart
     torch.manual_seed(0)
-    net = torch.nn.Linear(128, 512)
+    net = torch.nn.Linear(128, outputs)
     model = DistributedDataParallel(net)
     allow = ("int8", "int4", "topk")
     every = 2 if periodic else None
@@ -580,7 +584,7 @@ def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, no
     # A linear loss: every step's gradient is the same, so error feedback must deliver
     # steps * lr * (their mean) in all, whatever the compressors did on the way.
     generator = torch.Generator().manual_seed(rank)
-    x, c = torch.randn(16, 128, generator=generator), torch.randn(16, 512, generator=generator)
+    x, c = torch.randn(16, 128, generator=generator), torch.randn(16, outputs, generator=generator)
     start = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
     mean_grad = torch.cat([(c.T @ x).reshape(-1), c.sum(0)]).double()
     dist.all_reduce(mean_grad)
@@ -662,7 +666,8 @@ NODE_PROFILES = [
 
 @pytest.mark.slow
 def test_a_plan_moving_between_hierarchical_and_flat_carries_the_residuals():
-    result = spawn.run_ranks(_replan_body, 4, 15, False, NODE_PROFILES, 2, timeout=300)
+    # 513 outputs: 66,177 elements, so the last node shard holds a padding element.
+    result = spawn.run_ranks(_replan_body, 4, 15, False, NODE_PROFILES, 2, 513, timeout=300)
     expected = ["none dense"] * 2 + ["int4 hierarchical(two_phase)"] * 4 + ["topk two_phase"] * 3
     expected += ["int8 hierarchical(two_phase)"] * 3 + ["none dense"] * 3
     assert [how for _, how in result["stats"]] == expected
@@ -809,7 +814,7 @@ def _all_reduce_auto_nodes_body(rank, world_size):
     auto = planner.Auto(allow=("int8",), profile=nodes)
     out = x.clone()
     stats = gradcomp.all_reduce(out, auto, node_size=2, feedback=False)
-    plan = next(iter(auto.plans.values()))[(2**16, torch.float32)]
+    plan = next(iter(auto.plans.values()))[(2**16, torch.float32, 2)]  # planned for nodes of 2
     static = x.clone()
     inter = plan.inter_algorithm
     gradcomp.all_reduce(
