@@ -150,7 +150,9 @@ class HookState:
     decode time on the buckets' device, combines every rank's figures (the
     slowest of each) and picks per bucket the candidate and algorithm with
     the least predicted time (:func:`gradcomp.planner.choose`; ``none``
-    included, so small buckets stay dense). :attr:`plan` holds the choice
+    included, so small buckets stay dense; on CPUs, a bucket whose dense
+    reduction fits in the backward pass still to run stays dense too: the
+    hook notes when each bucket is handed over in the step before the plan). :attr:`plan` holds the choice
     (and, once a check has run, each bucket's observed milliseconds); it is
     kept in :meth:`state_dict`, so a resumed run reduces as the saved one did.
 
@@ -190,6 +192,8 @@ class HookState:
         # progress and residuals
         "plan",
         "_sizes",
+        "_ready",
+        "_offsets",
         "_planned_at",
         "_chosen",
         "_device",
@@ -256,6 +260,8 @@ class HookState:
         self.profile = profile
         self.plan: list | None = None
         self._sizes: dict[int, int] = {}
+        self._ready: dict[int, float] = {}  # bucket -> when the hook had it, in the last step before the plan
+        self._offsets: list[float] | None = None  # each bucket's, before the backward pass ends (the plan's)
         self._planned_at: int | None = None  # the step whose first bucket submitted the plan job
         self._chosen: list[Compressor] = []  # the plan's compressors, built once
         self._device = torch.device("cpu")  # the buckets' (for measuring the codecs)
@@ -317,6 +323,7 @@ class HookState:
         }
         if self.auto:
             saved["auto_sizes"] = dict(self._sizes)
+            saved["auto_ready"] = self._offsets
             if self.plan is not None:
                 saved["plan"] = _saved_plan(self.plan)
                 saved["auto_adopted_at"] = self._adopted_at
@@ -335,6 +342,7 @@ class HookState:
                 f"this state has {self._settings()}"
             )
         self._sizes = dict(state.get("auto_sizes", {}))
+        self._offsets, self._ready = state.get("auto_ready"), {}
         self._planned_at = -1 if "plan" in state else None
         self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
         self._hooked_step, self._replan_requested = -1, False
@@ -373,6 +381,11 @@ class HookState:
             self.plan, self._planned_at = None, None
             return
         sizes = [self._sizes[index] for index in sorted(k for k in self._sizes if k != "step")]
+        # When each bucket was ready in that step, before the backward pass ended (CPUs only: on
+        # GPUs the host runs ahead of the kernels). Kept for the re-plans of these buckets.
+        hooked = self._ready if self._ready.get("step") == self._planned_at - 1 else {}
+        times = [hooked.get(index) for index in range(len(sizes))]
+        self._offsets = None if None in times else [t - max(times) for t in times]
         self._adopt_plan(self._choose(q, sizes))
         self._adopted_at = self._planned_at + 1  # the planning step's CPU dense buckets went natively
         logger.info("gradcomp auto plan: %s", _described(self.plan))
@@ -387,7 +400,8 @@ class HookState:
         profile = planner.agreed_profile(
             self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
         )
-        return planner.choose(sizes, q.world_size, profile, self.allow)
+        ready = self._offsets if self._offsets is not None and len(self._offsets) == len(sizes) else None
+        return planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
 
     def replan(self) -> None:
         """Measure and plan afresh at the next check (every ``check_every`` steps; ``"auto"`` only).
@@ -751,6 +765,11 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     timed = None
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
+        if state._planned_at is None and not streams.uses_streams(buffer.device):
+            # Before the plan: when the backward pass hands each bucket over.
+            if state._ready.get("step") != step:
+                state._ready = {"step": step}
+            state._ready[index] = time.perf_counter()
         if state._adopted_at is not None and streams.uses_streams(buffer.device):
             # A CUDA job's future completes when its work is queued, not done: the job
             # times its work on the worker's stream by events (HookState.reduce).

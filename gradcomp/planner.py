@@ -384,21 +384,57 @@ def choices(candidates, world_size: int, nodes: Nodes | None = None) -> list[tup
 
 
 def choose(
-    numels: list[int], world_size: int, profile: Profile, candidates=SAFE, margin: float = MARGIN
+    numels: list[int],
+    world_size: int,
+    profile: Profile,
+    candidates=SAFE,
+    margin: float = MARGIN,
+    ready: list[float] | None = None,
 ) -> list[Prediction]:
     """Per bucket, the candidate pair with the least predicted time (ties: fewer bytes, then the
     earlier candidate). ``none`` is always a candidate, and a compressor is chosen over it only
     when predicted at least ``margin`` faster: a smaller gain is within the model's error.
     Where the profile has :class:`Nodes` (several of several ranks), every compressor is
-    also considered ``hierarchical`` with each algorithm between nodes."""
+    also considered ``hierarchical`` with each algorithm between nodes.
+
+    ``ready``: when each bucket is handed over, in seconds before the backward pass ends
+    (the last bucket's: 0), in the order the buckets are reduced. Then what overlaps the
+    backward pass counts: a bucket stays dense (first to last) unless compressing it
+    shortens the communication left after the backward pass (:func:`exposed_seconds`) by at
+    least ``margin`` of what it saves the bucket: one reduced while the backward pass
+    still runs, with time to spare, gains nothing by compressing."""
     pairs = choices(candidates, world_size, profile.nodes)
-    best = {}  # buckets are mostly of one size: predict each size once
+    best, dense = {}, {}  # buckets are mostly of one size: predict each size once
     for numel in set(numels):
         predictions = [predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs]
-        dense = predictions[0]
+        dense[numel] = predictions[0]
         fastest = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
-        best[numel] = fastest if fastest.seconds <= (1 - margin) * dense.seconds else dense
-    return [best[numel] for numel in numels]
+        best[numel] = fastest if fastest.seconds <= (1 - margin) * dense[numel].seconds else dense[numel]
+    plan = [best[numel] for numel in numels]
+    if ready is None:
+        return plan
+    if len(ready) != len(numels):
+        raise ValueError(f"ready has {len(ready)} times for {len(numels)} buckets")
+    for i, numel in enumerate(numels):
+        if plan[i] is dense[numel]:
+            continue
+        kept = exposed_seconds(ready, [p.seconds for p in plan])
+        undone = plan[:i] + [dense[numel]] + plan[i + 1 :]
+        if exposed_seconds(ready, [p.seconds for p in undone]) - kept < margin * (
+            dense[numel].seconds - plan[i].seconds
+        ):
+            plan = undone
+    return plan
+
+
+def exposed_seconds(ready: list[float], seconds: list[float]) -> float:
+    """The communication left when the backward pass ends: buckets reduced one after another
+    in this order, each from when it is ready (seconds before the end, at most 0) or the one
+    before it is done, taking ``seconds``."""
+    free = -math.inf
+    for at, took in zip(ready, seconds, strict=True):
+        free = max(free, at) + took
+    return max(0.0, free)
 
 
 def combine(profiles: list[Profile]) -> Profile:

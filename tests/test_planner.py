@@ -70,6 +70,23 @@ def test_buckets_below_the_break_even_size_stay_dense():
     assert [c.compressor for c in plan][:2] == ["none", "none"] and plan[-1].compressor != "none"
 
 
+def test_a_bucket_reduced_while_the_backward_pass_runs_stays_dense():
+    p, numels = profile(GBIT), [BUCKET, BUCKET]
+    flat = planner.choose(numels, 8, p)
+    assert all(c.compressor == "int4" for c in flat)  # the premise: each pays on its own
+    dense = planner.predict("none", BUCKET, 8, p).seconds
+    # The first bucket ready long before the backward pass ends: reduced dense, it is done by
+    # then, and compressing it gains nothing.
+    hidden = planner.choose(numels, 8, p, ready=[-3 * dense, 0.0])
+    assert [c.compressor for c in hidden] == ["none", "int4"]
+    # Ready just before the end: what it saves shortens what is left: compressed.
+    assert planner.choose(numels, 8, p, ready=[-0.1 * dense, 0.0]) == flat
+    assert planner.exposed_seconds([-1.0, 0.0], [0.5, 0.2]) == pytest.approx(0.2)
+    assert planner.exposed_seconds([-1.0, 0.0], [2.0, 0.2]) == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="ready has 1 times for 2 buckets"):
+        planner.choose(numels, 8, p, ready=[0.0])
+
+
 def test_only_allowed_candidates_are_chosen():
     plan = planner.choose([BUCKET], 8, profile(0.1 * GBIT), candidates=("int8",))
     assert plan[0].compressor == "int8"
@@ -417,6 +434,7 @@ def _auto_body(rank, world_size, bandwidths, steps, resume_at):
         dense_bytes=ring_all_reduce_bytes(numel * 4, world_size),
         replicas_equal=all(torch.equal(finals[0], f) for f in finals),
         final=final,
+        offsets=state._offsets,
     )
     # Resume from the checkpoint taken after the plan: the same steps, bit for bit.
     net, model = build()
@@ -433,6 +451,7 @@ def _auto_body(rank, world_size, bandwidths, steps, resume_at):
     result["resumed_equal"] = torch.equal(
         torch.cat([p.detach().reshape(-1) for p in net.parameters()]), final
     )
+    result["resumed_offsets"] = state._offsets
     return result
 
 
@@ -456,6 +475,11 @@ def test_auto_plans_once_from_every_ranks_figures_and_compresses_the_large_bucke
             assert [compressors[i] for i in range(len(plan))] == [" ".join(p[1:]) for p in plan]
             assert sent < result["dense_bytes"] / 4
     assert result["replicas_equal"] and result["resumed_equal"]
+    # When each bucket was handed over in the step before the plan, before the backward
+    # pass ended (the last one: 0), kept with the plan for re-plans, and in the checkpoint.
+    offsets = result["offsets"]
+    assert len(offsets) == len(plan) and max(offsets) == 0.0 and min(offsets) < 0
+    assert result["resumed_offsets"] == offsets
 
 
 def test_auto_options_are_checked():
