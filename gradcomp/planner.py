@@ -131,6 +131,14 @@ class Codec:
     decode: Linear
 
 
+def _links_to_json(links: dict[str, scale.Link]) -> dict:
+    return {k: dataclasses.asdict(v) for k, v in links.items()}
+
+
+def _links_from_json(data: dict) -> dict[str, scale.Link]:
+    return {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Nodes:
     """A group cut into ``count`` nodes of ``size`` ranks, as measured for the
@@ -161,12 +169,12 @@ class Nodes:
             count=self.count,
             stages=dataclasses.asdict(self.stages),
             link=dataclasses.asdict(self.link),
-            links={k: dataclasses.asdict(v) for k, v in self.links.items()},
+            links=_links_to_json(self.links),
         )
 
     @staticmethod
     def from_json(data: dict) -> Nodes:
-        links = {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+        links = _links_from_json(data)
         return Nodes(data["size"], data["count"], Linear(**data["stages"]), scale.Link(**data["link"]), links)
 
 
@@ -210,7 +218,7 @@ class Profile:
             world_size=self.world_size,
             note=self.note,
             link=dataclasses.asdict(self.link),
-            links={k: dataclasses.asdict(v) for k, v in self.links.items()},
+            links=_links_to_json(self.links),
             codecs={k: dataclasses.asdict(c) for k, c in self.codecs.items()},
             **({"nodes": self.nodes.to_json()} if self.nodes else {}),
         )
@@ -218,7 +226,7 @@ class Profile:
     @staticmethod
     def from_json(data: dict) -> Profile:
         codecs = {k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()}
-        links = {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+        links = _links_from_json(data)
         nodes = Nodes.from_json(data["nodes"]) if data.get("nodes") else None
         return Profile(
             data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"], links, nodes
@@ -441,11 +449,7 @@ def combine(profiles: list[Profile]) -> Profile:
     """One profile from every rank's: the slowest link and the slowest codec of each compressor."""
     first = profiles[0]
     link = _slowest_link([p.link for p in profiles])
-    links = {
-        name: _slowest_link([p.links[name] for p in profiles])
-        for name in first.links
-        if all(name in p.links for p in profiles)
-    }
+    links = _slowest_links([p.links for p in profiles])
     codecs = {}
     for key in first.codecs:
         if all(key in p.codecs for p in profiles):
@@ -461,18 +465,13 @@ def _combine_nodes(profiles: list[Profile]) -> Nodes | None:
     if any(n is None for n in everyone) or len({(n.size, n.count) for n in everyone}) > 1:
         return None
     first = everyone[0]
-    links = {
-        name: _slowest_link([n.links[name] for n in everyone])
-        for name in first.links
-        if all(name in n.links for n in everyone)
-    }
-    return Nodes(
-        first.size,
-        first.count,
-        _slowest([n.stages for n in everyone]),
-        _slowest_link([n.link for n in everyone]),
-        links,
-    )
+    stages, link = _slowest([n.stages for n in everyone]), _slowest_link([n.link for n in everyone])
+    return Nodes(first.size, first.count, stages, link, _slowest_links([n.links for n in everyone]))
+
+
+def _slowest_links(fits: list[dict[str, scale.Link]]) -> dict[str, scale.Link]:
+    """Per collective, the slowest of every rank's fits, where every rank has one."""
+    return {name: _slowest_link([f[name] for f in fits]) for name in fits[0] if all(name in f for f in fits)}
 
 
 def _slowest_link(links: list[scale.Link]) -> scale.Link:
