@@ -205,6 +205,13 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated all-reduce sizes in fp32 elements (default 4K,64K,1M,4M)",
     )
     probe.add_argument(
+        "--codec-sizes",
+        type=_sizes,
+        default=[2**16, 2**20, 2**22, 2**24],
+        help="comma-separated sizes the compressors are timed at, in fp32 elements (default "
+        "64K,1M,4M,16M: up to the buckets of a large model, whose codecs run from memory, not cache)",
+    )
+    probe.add_argument(
         "--compressors",
         default="none,bf16,int8,int4,ternary,sign,topk,randk",
         help="comma-separated compressors to time (name, name@value or name:k=v)",
@@ -416,7 +423,9 @@ def _probe(args) -> int:
         sys.stderr.write(f"gradcomp probe: {error}\n")
         return 2
     print(f"{demo.machine()}, {args.world_size} Gloo ranks on 127.0.0.1", flush=True)
-    profile, rows = spawn.run_ranks(_probe_rank, args.world_size, args.sizes, specs, args.repeat)
+    profile, rows = spawn.run_ranks(
+        _probe_rank, args.world_size, args.sizes, specs, args.codec_sizes, args.repeat
+    )
     _print_table(
         ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s"],
         [
@@ -453,5 +462,5 @@ def _probe(args) -> int:
     return 0
 
 
-def _probe_rank(rank: int, world_size: int, sizes: list[int], specs: list[str], repeat: int):
-    return planner.probe(sizes, specs, repeat=repeat)
+def _probe_rank(rank, world_size, sizes: list[int], specs: list[str], codec_sizes: list[int], repeat: int):
+    return planner.probe(sizes, specs, codec_sizes, repeat=repeat)

@@ -23,13 +23,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import pathlib
 import statistics
+import threading
 import time
+import typing
 
 import torch
 import torch.distributed as dist
@@ -627,14 +630,50 @@ def _synchronize(tensor: torch.Tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
-def _median_seconds(fn, repeat: int) -> float:
+def _median_seconds(fn, repeat: int, clock=time.perf_counter) -> float:
     fn()  # warm
     times = []
     for _ in range(repeat):
-        began = time.perf_counter()
+        began = clock()
         fn()
-        times.append(time.perf_counter() - began)
+        times.append(clock() - began)
     return statistics.median(times)
+
+
+# What a CPU codec competes with while it runs in training: a layer's forward and
+# weight-gradient matmuls (batch x width @ width x width, and back), streaming a
+# width x width fp32 weight through memory as a backward pass of a wide layer does.
+BUSY_SHAPE = (64, 4096)
+
+
+@contextlib.contextmanager
+def busy(device: torch.device) -> typing.Iterator[None]:
+    """On a CPU, another thread of this process computes until the block ends (a stand-in
+    for the backward pass a codec competes with in training); elsewhere, nothing."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    batch, width = BUSY_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(batch, width, generator=generator)
+    weight = torch.randn(width, width, generator=generator)
+    outputs, gradient = torch.empty(batch, width), torch.empty(width, width)
+    stop, started = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        while not stop.is_set():
+            torch.mm(inputs, weight, out=outputs)
+            torch.mm(inputs.t(), outputs, out=gradient)
+
+    thread = threading.Thread(target=work, name="gradcomp-probe-busy", daemon=True)
+    thread.start()
+    started.wait()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> tuple[scale.Link, list[dict]]:
@@ -726,17 +765,28 @@ def fit_link(rows: list[dict], world_size: int) -> scale.Link:
 
 def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", repeat: int = 5) -> Codec:
     """Time ``compress`` (with a residual when the compressor keeps one by default) and
-    ``decompress`` of ``sizes`` random fp32 elements on ``device``; fit each."""
+    ``decompress`` of ``sizes`` random fp32 elements on ``device``; fit each.
+
+    On a CPU the codec is timed while another thread computes (:func:`busy`), by the CPU
+    time of the thread that runs it: in training it shares the cores, caches and memory
+    with the backward pass, and what it adds to a step is the work it does there, not its
+    waits for a turn on a core (measured alone on the 2-core machine, int8's encode took
+    half the time it takes beside a backward pass)."""
     compressor = candidate(compressor)
+    device = torch.device(device)
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
     encode, decode = [], []
-    for numel in sizes:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
-        out = torch.empty_like(x)
-        # With error feedback where the compressor has it by default: the fused pass training runs.
-        context = Context(residual=torch.zeros_like(x)) if compressor.needs_feedback else None
-        payload = compressor.compress(x)
-        encode.append(_median_seconds(functools.partial(_encode_once, compressor, x, context), repeat))
-        decode.append(_median_seconds(functools.partial(_decode_once, compressor, payload, out), repeat))
+    with busy(device):
+        for numel in sizes:
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+            out = torch.empty_like(x)
+            # With error feedback where the compressor has it by default: the fused pass training runs.
+            context = Context(residual=torch.zeros_like(x)) if compressor.needs_feedback else None
+            payload = compressor.compress(x)
+            encoding = functools.partial(_encode_once, compressor, x, context)
+            decoding = functools.partial(_decode_once, compressor, payload, out)
+            encode.append(_median_seconds(encoding, repeat, clock))
+            decode.append(_median_seconds(decoding, repeat, clock))
     return Codec(Linear.fit(sizes, encode), Linear.fit(sizes, decode))
 
 

@@ -4,6 +4,8 @@ and the probe and plan commands on tiny sizes."""
 import dataclasses
 import json
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 from gradcomp import cli, planner, spawn
 from gradcomp.collectives import scale
+from gradcomp.compressors import BF16
 
 
 def profile(bandwidth: float, latency: float = 20e-6, rate: float = 1e9, overhead: float = 50e-6):
@@ -288,12 +291,61 @@ def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
     ]
 
 
+class _Timed(BF16):
+    """bf16 whose encode waits 30 ms (no CPU) and whose decode computes for 20 ms, noting
+    each time whether the probe's busy thread was running."""
+
+    def __init__(self):
+        super().__init__()
+        self.beside_busy = []
+
+    def _busy_running(self) -> bool:
+        return any(t.name == "gradcomp-probe-busy" and t.is_alive() for t in threading.enumerate())
+
+    def compress(self, tensor, ctx=None):
+        self.beside_busy.append(self._busy_running())
+        time.sleep(0.03)
+        return super().compress(tensor, ctx)
+
+    def decompress(self, payload, out=None, accumulate=False, *, divisor=1):
+        self.beside_busy.append(self._busy_running())
+        began = time.thread_time()
+        while time.thread_time() - began < 0.02:
+            pass
+        return super().decompress(payload, out, accumulate, divisor=divisor)
+
+
+def test_cpu_codecs_are_timed_beside_a_busy_thread_by_the_cpu_time_they_take():
+    # In training a CPU codec shares the cores with the backward pass: what it adds to a
+    # step is the work it does, not its waits for a core (nor any other wait).
+    timed = _Timed()
+    codec = planner.measure_codec(timed, [1000, 2000], "cpu", repeat=1)
+    assert timed.beside_busy and all(timed.beside_busy)
+    assert codec.encode.seconds(1000) < 0.01  # 30 ms asleep, not counted
+    assert 0.015 < codec.decode.seconds(1000) < 0.1  # 20 ms of CPU, counted
+    assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
+
+
+def test_the_busy_thread_computes_on_cpus_only():
+    with planner.busy(torch.device("cpu")):
+        (thread,) = [t for t in threading.enumerate() if t.name == "gradcomp-probe-busy"]
+        began, process = time.thread_time(), time.process_time()
+        time.sleep(0.05)
+        assert time.thread_time() - began < 0.02 and thread.is_alive()  # this thread only waited,
+        assert time.process_time() - process > 0.02  # the busy one computed
+    assert not thread.is_alive()
+    with planner.busy(torch.device("meta")):  # a GPU's codecs are timed as they are
+        assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
+
+
 @pytest.mark.slow
 def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
     out = tmp_path / "profile.json"
     argv = [
         "probe",
         "--sizes",
+        "1K,16K",
+        "--codec-sizes",
         "1K,16K",
         "--compressors",
         "none,int8,int4",
