@@ -52,8 +52,9 @@ _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": 
 STORED = pathlib.Path(__file__).with_name("profiles")
 _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
 # A compressor must be predicted this much faster than dense to be chosen: on the
-# 2-core CPU machine the model missed by up to 50% where codecs compete with the
-# backward pass for the cores (fast links), and gains there were 10-30%.
+# 2-core CPU machine the model still misses by up to 20% for codecs on fast links
+# (and dense by more where it overlaps the backward pass; bench/README.md), and
+# gains there were 10-30%.
 MARGIN = 0.25
 LINK_MAX = 2**22  # the largest all-reduce (fp32 elements) the link is timed at when planning
 
