@@ -411,6 +411,7 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
         if row["run"] == "auto":
             assert row["best_static"] in ("dense", "int8") and float(row["x_best_static"]) > 0
             assert row["note"].startswith("auto: ")
+            assert float(row["predicted_comm_ms"]) > 0  # its plan's, from what the hook measured
         else:  # predicted from the stored profile on that link
             assert float(row["predicted_comm_ms"]) > 0
     # The prediction on the limited link: the stored profile with 100 Mbit/s shared by the 2 ranks.
@@ -423,6 +424,11 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
     dense = {r["link"]: float(r["predicted_comm_ms"]) for r in rows if r["run"] == "dense"}
     assert dense["100mbit"] == pytest.approx(1e3 * expected) and dense["100mbit"] > dense["none"]
     assert "100mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
+    assert "cost model (the stored profile): " in result.stdout and " of 4 static runs" in result.stdout
+    assert "cost model (its own measurements): " in result.stdout and " of 2 auto runs" in result.stdout
+    # auto's prediction is its plan's: the planned buckets' predicted seconds, in ms.
+    auto = next(r for r in limited["records"] if r["run"] == "auto")
+    assert auto["predicted_comm_ms"] == auto["planned_comm_ms"] > 0
     assert len(document["sources"]) == 2
 
 
