@@ -191,10 +191,11 @@ def parser() -> argparse.ArgumentParser:
         "probe",
         help="measure this machine's link and compressors and write a profile for plan and auto",
         description=(
-            "Spawn Gloo ranks on 127.0.0.1, time dense all-reduces, all-gathers and all-to-alls of each "
+            "Spawn Gloo ranks on 127.0.0.1, time a pingpong between two of them (one message's "
+            "latency and bandwidth), dense all-reduces, all-gathers and all-to-alls of each "
             "size (fitting each one's latency per ring step and bandwidth per rank) and each "
-            "compressor's compress and decompress, and "
-            "write the profile as JSON. Each figure is the slowest rank's median."
+            "compressor's compress and decompress (on CPUs beside a busy thread, by its CPU time), "
+            "and write the profile as JSON. Each figure is the slowest rank's median."
         ),
     )
     probe.add_argument("--world-size", type=_at_least(2), default=2, help="processes to spawn (default 2)")
@@ -440,9 +441,9 @@ def _probe(args) -> int:
         ],
     )
     for name, link in (("all_reduce", profile.link), *profile.links.items()):
+        step = "one way" if name == "pingpong" else "per ring step"
         print(
-            f"fit, {name}: {link.latency * 1e6:.3g} us per ring step, "
-            f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
+            f"fit, {name}: {link.latency * 1e6:.3g} us {step}, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
         )
     _print_table(
         ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
@@ -463,4 +464,4 @@ def _probe(args) -> int:
 
 
 def _probe_rank(rank, world_size, sizes: list[int], specs: list[str], codec_sizes: list[int], repeat: int):
-    return planner.probe(sizes, specs, codec_sizes, repeat=repeat)
+    return planner.probe(sizes, specs, codec_sizes, repeat=repeat, pingpong=True)

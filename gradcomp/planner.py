@@ -724,6 +724,42 @@ def measure_collectives(
     return links, rows
 
 
+def measure_pingpong(
+    sizes: list[int], group=None, repeat: int = 5, device=None
+) -> tuple[scale.Link, list[dict]]:
+    """A pingpong, as the usual point-to-point latency and bandwidth tests run it: the group's
+    first two ranks send messages of ``sizes`` fp32 elements back and forth; half a round
+    trip is one message's time, fitted as ``latency + bytes / bandwidth``. Every rank of the
+    group must call it (the others wait); every rank gets the first rank's figures."""
+    if dist.get_world_size(group) < 2:
+        raise ValueError("a pingpong needs two ranks")
+    device = torch.device(device or default_device(group))
+    rank = dist.get_rank(group)
+    peers = [dist.get_global_rank(group or dist.group.WORLD, r) for r in (0, 1)]
+    rows = []
+    for numel in sorted(set(sizes)):
+        message = torch.ones(numel, device=device)
+        dist.barrier(group=group)
+        seconds = 0.0
+        if rank < 2:
+            seconds = _median_seconds(functools.partial(_round_trip, message, rank, peers, group), repeat) / 2
+        seconds = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.broadcast(seconds, src=peers[0], group=group)
+        rows.append(dict(collective="pingpong", numel=numel, bytes_sent=numel * 4, seconds=seconds.item()))
+    line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
+    return scale.Link(line.rate, line.overhead), rows
+
+
+def _round_trip(message: torch.Tensor, rank: int, peers: list[int], group) -> None:
+    if rank == 0:
+        dist.send(message, peers[1], group=group)
+        dist.recv(message, peers[1], group=group)
+    else:
+        dist.recv(message, peers[0], group=group)
+        dist.send(message, peers[0], group=group)
+    _synchronize(message)
+
+
 def _collective_once(name: str, output: torch.Tensor, source: torch.Tensor, group) -> None:
     if name == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -837,13 +873,16 @@ def probe(
     repeat: int = 5,
     device=None,
     hierarchy=None,
+    pingpong: bool = False,
 ):
     """Measure this group's link and, on every rank, each compressor's codec on ``device``
     (default: CUDA for an NCCL group, else CPU); every rank returns the same
     :class:`Profile` (the slowest of each measurement) and the timings of each
     collective (all-reduce, all-gather, all-to-all; ``collective`` in each row).
     With a ``hierarchy`` of several nodes of several ranks, its levels too
-    (:func:`measure_nodes`; the codecs also at the shards' sizes)."""
+    (:func:`measure_nodes`; the codecs also at the shards' sizes). With ``pingpong``,
+    a :func:`measure_pingpong` too, kept as ``links["pingpong"]`` (for people: no
+    algorithm is predicted on it)."""
     device = torch.device(device or default_device(group))
     link, rows = measure_link(sizes, group, repeat, device)
     for row in rows:
@@ -852,6 +891,9 @@ def probe(
         measure_collectives(sizes, group, repeat, device) if dist.get_world_size(group) > 1 else ({}, [])
     )
     rows += more
+    if pingpong and dist.get_world_size(group) > 1:
+        links["pingpong"], more = measure_pingpong(sizes, group, repeat, device)
+        rows += more
     codec_sizes = set(codec_sizes or sizes)
     nodes = None
     if hierarchy is not None and hierarchy.node_size > 1 and len(hierarchy.nodes) > 1:

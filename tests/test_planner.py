@@ -258,6 +258,38 @@ def test_a_probe_over_two_nodes_measures_both_levels_and_every_rank_agrees():
     assert all(r["seconds"] > 0 for r in rows)
 
 
+def _pingpong_body(rank, world_size):
+    measured = planner.measure_pingpong([1024, 2**20], repeat=2)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, measured)
+    pair = dist.new_group([1, 2])  # its first two ranks are global ranks 1 and 2
+    inner = planner.measure_pingpong([1024], pair, repeat=1) if rank else None
+    inners = [None] * world_size
+    dist.all_gather_object(inners, inner)
+    alone = dist.new_group([0])
+    refused = None
+    if rank == 0:
+        with pytest.raises(ValueError, match="two ranks"):
+            planner.measure_pingpong([1024], alone)
+        refused = True
+    return everyone, inners, refused
+
+
+def test_a_pingpong_times_messages_between_two_ranks_and_every_rank_gets_the_fit():
+    everyone, inners, refused = spawn.run_ranks(_pingpong_body, 3, timeout=120)
+    assert everyone[0] == everyone[1] == everyone[2]  # rank 2 waited and got rank 0's figures
+    link, rows = everyone[0]
+    assert [(r["collective"], r["numel"], r["bytes_sent"]) for r in rows] == [
+        ("pingpong", 1024, 4096),
+        ("pingpong", 2**20, 2**22),
+    ]
+    assert 0 < rows[0]["seconds"] < rows[1]["seconds"]  # 4 MB takes longer than 4 KB
+    assert link.bandwidth > 0 and link.latency >= 0
+    assert link.latency + 2**22 / link.bandwidth == pytest.approx(rows[1]["seconds"])  # two points: exact
+    assert inners[0] is None and inners[1] == inners[2] and inners[1][1][0]["seconds"] > 0
+    assert refused
+
+
 def _probe_body(rank, world_size):
     # Each rank measures its own codecs; the profiles must come back identical.
     found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
@@ -357,7 +389,9 @@ def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "us per ring step" in text and "wrote" in text
+    assert "fit, pingpong: " in text and " us one way" in text
     measured = planner.Profile.load(out)
+    assert set(measured.links) == {"all_gather", "all_to_all", "pingpong"}
     assert set(measured.codecs) == {"int8", "int4"} and measured.link.bandwidth > 0
     argv = ["plan", "--params", "100M", "--world", "16", "--bandwidth", "1gbit", "--profile", str(out)]
     assert cli.main([*argv, "--compute-ms", "300", "--allow", "none,int8,int4"]) == 0
