@@ -381,17 +381,19 @@ class HookState:
             self.plan, self._planned_at = None, None
             return
         sizes = [self._sizes[index] for index in sorted(k for k in self._sizes if k != "step")]
-        # When each bucket was ready in that step, before the backward pass ended (CPUs only: on
-        # GPUs the host runs ahead of the kernels). Kept for the re-plans of these buckets.
+        # When each bucket was ready in that step, before the backward pass ended: read after
+        # the measurements (on GPUs they wait for the device), agreed by every rank. Kept for
+        # the re-plans of these buckets.
         hooked = self._ready if self._ready.get("step") == self._planned_at - 1 else {}
-        times = [hooked.get(index) for index in range(len(sizes))]
-        self._offsets = None if None in times else [t - max(times) for t in times]
-        self._adopt_plan(self._choose(q, sizes))
+        marks = [hooked.get(index) for index in range(len(sizes))]
+        self._offsets = None
+        self._adopt_plan(self._choose(q, sizes, (hooked.get("first"), marks)))
         self._adopted_at = self._planned_at + 1  # the planning step's CPU dense buckets went natively
         logger.info("gradcomp auto plan: %s", _described(self.plan))
 
-    def _choose(self, q, sizes: list[int]) -> list:
-        """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles."""
+    def _choose(self, q, sizes: list[int], marks: tuple | None = None) -> list:
+        """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles.
+        ``marks``: the hook's (first, per bucket) of the step before, to find the offsets."""
         if q.world_size == 1:  # nothing to send: nothing to compress
             return planner.dense_plan(sizes)
         # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
@@ -400,6 +402,8 @@ class HookState:
         profile = planner.agreed_profile(
             self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
         )
+        if marks is not None:
+            self._offsets = _agreed_offsets(q, _offsets(*marks), len(sizes))
         ready = self._offsets if self._offsets is not None and len(self._offsets) == len(sizes) else None
         return planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
 
@@ -508,12 +512,12 @@ class HookState:
         queue_for(self.process_group).submit(lambda: None, torch.device("cpu")).wait()
 
     def __getstate__(self):
-        # Process groups cannot be pickled; like torch's hooks, drop it (and a pending check's future).
+        # Process groups cannot be pickled; like torch's hooks, drop it (and a pending check's
+        # future, and the marks of when buckets were ready: CUDA events on GPUs).
         if self._pending is not None:
             self._pending.wait()
-        return {
-            name: getattr(self, name) for name in self.__slots__ if name not in ("process_group", "_pending")
-        }
+        dropped = ("process_group", "_pending", "_ready")
+        return {name: getattr(self, name) for name in self.__slots__ if name not in dropped} | {"_ready": {}}
 
     def __setstate__(self, state):
         for name, value in state.items():
@@ -765,11 +769,14 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     timed = None
     if state.auto:
         _plan_when_due(state, q, buffer, index, step)
-        if state._planned_at is None and not streams.uses_streams(buffer.device):
-            # Before the plan: when the backward pass hands each bucket over.
+        if state._planned_at is None:
+            # Before the plan: when the backward pass hands each bucket over (on GPUs, an event
+            # on the backward's stream: when the bucket is ready there; read once done).
+            mark = streams.timing_event(buffer.device)
+            mark = time.perf_counter() if mark is None else mark
             if state._ready.get("step") != step:
-                state._ready = {"step": step}
-            state._ready[index] = time.perf_counter()
+                state._ready = {"step": step, "first": mark}
+            state._ready[index] = mark
         if state._adopted_at is not None and streams.uses_streams(buffer.device):
             # A CUDA job's future completes when its work is queued, not done: the job
             # times its work on the worker's stream by events (HookState.reduce).
@@ -884,6 +891,38 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
     state._replan_requested = False
     check = functools.partial(state._check, q, state._observe(step), forced)
     state._pending = q.submit(check, buffer.device, name="gradcomp.check")
+
+
+def _offsets(first, marks: list) -> list[float] | None:
+    """Each bucket's seconds before the last one was handed over (the last: 0), from the hook's
+    marks: host clock readings, or CUDA timing events on the backward's stream (``first``: the
+    step's first mark). None where one is missing or an event is not done yet (never waits)."""
+    if not marks or first is None or None in marks:
+        return None
+    if isinstance(first, float):
+        times = [mark - first for mark in marks]
+    else:
+        times = [streams.elapsed_seconds(first, mark) for mark in marks]
+        if None in times:
+            return None
+    return [t - max(times) for t in times]
+
+
+def _agreed_offsets(q, offsets: list[float] | None, count: int) -> list[float] | None:
+    """(worker; a collective) Every rank's offsets made one: per bucket the latest (a bucket's
+    reduction starts when its last rank hands it over), or None on every rank where any rank
+    has none. The plan depends on them: ranks must agree, or they would reduce a bucket
+    differently."""
+    device = planner.default_device(q.group)
+    mine = torch.zeros(count + 1, dtype=torch.float64)
+    if offsets is None or len(offsets) != count:
+        mine[0] = 1.0
+    else:
+        mine[1:] = torch.tensor(offsets, dtype=torch.float64)
+    mine = mine.to(device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=q.group)
+    agreed = mine.tolist()
+    return None if agreed[0] else agreed[1:]
 
 
 def is_auto(compressor) -> bool:
