@@ -259,7 +259,7 @@ def test_a_probe_over_two_nodes_measures_both_levels_and_every_rank_agrees():
 
 
 def _pingpong_body(rank, world_size):
-    measured = planner.measure_pingpong([1024, 2**20], repeat=2)
+    measured = planner.measure_pingpong([1024, 2**22], repeat=3)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, measured)
     pair = dist.new_group([1, 2])  # its first two ranks are global ranks 1 and 2
@@ -281,11 +281,12 @@ def test_a_pingpong_times_messages_between_two_ranks_and_every_rank_gets_the_fit
     link, rows = everyone[0]
     assert [(r["collective"], r["numel"], r["bytes_sent"]) for r in rows] == [
         ("pingpong", 1024, 4096),
-        ("pingpong", 2**20, 2**22),
+        ("pingpong", 2**22, 2**24),
     ]
-    assert 0 < rows[0]["seconds"] < rows[1]["seconds"]  # 4 MB takes longer than 4 KB
+    assert 0 < rows[0]["seconds"] < rows[1]["seconds"]  # 16 MB takes longer than 4 KB
     assert link.bandwidth > 0 and link.latency >= 0
-    assert link.latency + 2**22 / link.bandwidth == pytest.approx(rows[1]["seconds"])  # two points: exact
+    # The line through the two points (through the origin where that would cross below it).
+    assert link.latency + 2**24 / link.bandwidth == pytest.approx(rows[1]["seconds"], rel=0.01)
     assert inners[0] is None and inners[1] == inners[2] and inners[1][1][0]["seconds"] > 0
     assert refused
 
@@ -566,6 +567,49 @@ def test_auto_plans_once_from_every_ranks_figures_and_compresses_the_large_bucke
     offsets = result["offsets"]
     assert len(offsets) == len(plan) and max(offsets) == 0.0 and min(offsets) < 0
     assert result["resumed_offsets"] == offsets
+
+
+def _ready_body(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)
+    )
+    model = DistributedDataParallel(net, bucket_cap_mb=4)
+    slow = profile(0.1 * GBIT)
+    state = ddp.register(model, "auto", warmup_steps=3, profile=slow)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(5):
+        if step == 3:  # the step before's marks, as if the ranks' backward passes had differed:
+            # rank 0 hands every bucket but the last over 10 s before the end, rank 1 1 ms before.
+            count = len([k for k in state._sizes if k != "step"])
+            early = 0.0 if rank == 0 else 9.999
+            state._ready = {"step": 2, "first": 0.0, **{i: early for i in range(count - 1)}, count - 1: 10.0}
+        optimizer.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    state.flush()
+    sizes = [p.numel for p in state.plan]
+    alone = [-10.0 if rank == 0 else -0.001] * (len(sizes) - 1) + [0.0]
+    mine = planner.choose(sizes, world_size, slow, ready=alone)
+    plans, offsets = [None] * world_size, [None] * world_size
+    dist.all_gather_object(plans, [(p.compressor, p.algorithm) for p in state.plan])
+    dist.all_gather_object(offsets, state._offsets)
+    return plans, offsets, [(p.compressor, p.algorithm) for p in mine], sizes
+
+
+def test_ranks_whose_buckets_were_ready_at_different_times_agree_on_the_plan():
+    plans, offsets, rank0_alone, sizes = spawn.run_ranks(_ready_body, 2, timeout=120)
+    assert len(sizes) >= 3
+    # Per bucket the latest rank's offset (its reduction starts when the last rank hands it
+    # over), on both ranks; so one plan, every bucket compressed (none fits in 1 ms).
+    assert offsets[0] == offsets[1] == pytest.approx([-0.001] * (len(sizes) - 1) + [0.0])
+    assert plans[0] == plans[1] and all(c != "none" for c, _ in plans[0])
+    # From its own marks, rank 0 would have kept the early buckets dense: a different plan.
+    assert rank0_alone != plans[0] and rank0_alone[0] == ("none", "dense")
 
 
 def test_auto_options_are_checked():
