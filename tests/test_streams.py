@@ -280,3 +280,20 @@ def test_auto_times_buckets_by_cuda_events_on_a_gpu():
     # One rank over Gloo on CUDA tensors: every bucket through the worker, timed by real events.
     observed = run_ranks(_auto_times_buckets_on_a_gpu, 1)
     assert observed and all(0 < t < 5 for t in observed), observed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ready_offsets_come_from_events_on_the_stream_once_done():
+    # As the hook marks buckets handed over on the backward's stream: work between the marks.
+    device = torch.device("cuda", 0)
+    x = torch.randn(2048, 2048, device=device)
+    first = streams.timing_event(device)
+    marks = []
+    for _ in range(3):
+        for _ in range(20):
+            x = x @ x / 2048
+        marks.append(streams.timing_event(device))
+    torch.cuda.synchronize(device)
+    offsets = gradcomp.ddp._offsets(first, marks)
+    assert offsets[-1] == 0.0 and offsets[0] < offsets[1] < 0
