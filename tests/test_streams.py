@@ -251,6 +251,8 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
         event.record()
     assert gradcomp.ddp._in_seconds({0: [done], 1: [[done[1], pending]]}) is None
     assert gradcomp.ddp._in_seconds({0: [done]})[0][0] == 0.0
+    assert gradcomp.ddp._offsets(done[0], [done[0], pending]) is None
+    assert gradcomp.ddp._offsets(done[0], done)[-1] == 0.0
 
 
 def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
