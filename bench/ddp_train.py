@@ -259,7 +259,7 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     if run.get("name") == "auto":  # what the planner picked, bucket by bucket
         picks = collections.Counter(f"{p.compressor} {p.how}" for p in state.plan or [])
         note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
-        if state.plan:  # from what the hook measured in this run
+        if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
             planned = 1e3 * sum(p.seconds for p in state.plan)
     with torch.no_grad():
         inputs, labels = samples(12345, 2048, settings)
@@ -445,7 +445,7 @@ def add_predictions(records: list[dict], world_size: int) -> None:
     against the observed (step minus compute-only). auto's is its plan's own (the link
     and codecs the hook measured in the run), where it planned."""
     for record in records:
-        if record["name"] == "auto" and not math.isnan(record.get("planned_comm_ms", math.nan)):
+        if record.get("name") == "auto" and not math.isnan(record.get("planned_comm_ms", math.nan)):
             record["predicted_comm_ms"] = record["planned_comm_ms"]
             record["model_error"] = common.ratio(record["planned_comm_ms"], record["comm_ms"]) - 1
     try:
@@ -679,6 +679,7 @@ def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
                 model_error=record.get("model_error", math.nan),
                 note=record["note"],
                 candidate=record in static,
+                auto=record is auto,
             )
             if record is auto and best is not None and dense is not None:
                 row.update(
@@ -720,7 +721,7 @@ def format_sweep(rows: list[dict]) -> str:
         lines.append(line)
     for runs, source in (("static", "the stored profile"), ("auto", "its own measurements")):
         errors = [
-            r for r in rows if not math.isnan(r["model_error"]) and (r["run"] == "auto") == (runs == "auto")
+            r for r in rows if not math.isnan(r["model_error"]) and r.get("auto", False) == (runs == "auto")
         ]
         if errors:
             within = sum(abs(r["model_error"]) <= MODEL_TARGET for r in errors)

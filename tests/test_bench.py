@@ -445,6 +445,7 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
             comm_ms=step_ms - 100,
             note=note,
             failed="",
+            bucket_numels=[2**20],
         )
 
     slow = [
@@ -471,6 +472,17 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     judged += "1.04x the best static choice (int8; target <= 1.05x: met)"
     assert judged in text
     assert "(target on the unlimited link <= 1.03x: met)" in text
+    # auto's prediction is its own plan's (a labelled auto run too); a failed run is passed over.
+    slow[-1]["planned_comm_ms"], fast[2]["planned_comm_ms"] = 800.0, 1000.0
+    failed = dict(run="torch PowerSGD r4", kind="powersgd", failed="process 0 terminated", note="")
+    ddp_train.add_predictions([*slow, failed], 2)
+    ddp_train.add_predictions(fast, 2)
+    assert slow[-1]["model_error"] == pytest.approx(800 / 890 - 1) and fast[2]["predicted_comm_ms"] == 1000.0
+    text = ddp_train.format_sweep(
+        ddp_train.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})])
+    )
+    assert "cost model (its own measurements): 1 of 2 auto runs predicted within 25%" in text
+    assert "cost model (the stored profile): " in text and " of 6 static runs" in text
 
 
 def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
