@@ -402,9 +402,12 @@ class HookState:
         profile = planner.agreed_profile(
             self.profile, self.allow, grid, sizes, q.group, self._device, hierarchy
         )
-        if marks is not None:
-            self._offsets = _agreed_offsets(q, _offsets(*marks), len(sizes))
-        ready = self._offsets if self._offsets is not None and len(self._offsets) == len(sizes) else None
+        # Agreed at every plan, a re-plan's too: offsets from a checkpoint were each rank's own.
+        offsets = self._offsets if marks is None else _offsets(*marks)
+        self._offsets = _agreed_offsets(q, offsets, len(sizes))
+        if marks is not None and self._offsets is None:
+            logger.info("gradcomp auto: planning without the overlap with the backward pass (no ready times)")
+        ready = self._offsets
         return planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
 
     def replan(self) -> None:
@@ -899,12 +902,15 @@ def _offsets(first, marks: list) -> list[float] | None:
     step's first mark). None where one is missing or an event is not done yet (never waits)."""
     if not marks or first is None or None in marks:
         return None
-    if isinstance(first, float):
-        times = [mark - first for mark in marks]
-    else:
-        times = [streams.elapsed_seconds(first, mark) for mark in marks]
-        if None in times:
-            return None
+    try:
+        if isinstance(first, float):
+            times = [mark - first for mark in marks]
+        else:
+            times = [streams.elapsed_seconds(first, mark) for mark in marks]
+    except (RuntimeError, TypeError):  # events of different devices, a mix of clocks: none to weigh
+        return None
+    if None in times:
+        return None
     return [t - max(times) for t in times]
 
 

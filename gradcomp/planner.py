@@ -647,11 +647,20 @@ def _median_seconds(fn, repeat: int, clock=time.perf_counter) -> float:
 BUSY_SHAPE = (64, 4096)
 
 
+_busy_here = threading.local()  # whether this thread already has a busy thread running
+
+
 @contextlib.contextmanager
 def busy(device: torch.device) -> typing.Iterator[None]:
     """On a CPU, another thread of this process computes until the block ends (a stand-in
-    for the backward pass a codec competes with in training); elsewhere, nothing."""
-    if torch.device(device).type != "cpu":
+    for the backward pass a codec competes with in training); elsewhere, nothing. Nested
+    blocks of one thread share the outer block's thread.
+
+    Raises:
+        RuntimeError: at the end of the block, if the busy thread failed (the codecs
+            were then timed without it).
+    """
+    if torch.device(device).type != "cpu" or getattr(_busy_here, "active", False):
         yield
         return
     batch, width = BUSY_SHAPE
@@ -659,22 +668,29 @@ def busy(device: torch.device) -> typing.Iterator[None]:
     inputs = torch.randn(batch, width, generator=generator)
     weight = torch.randn(width, width, generator=generator)
     outputs, gradient = torch.empty(batch, width), torch.empty(width, width)
-    stop, started = threading.Event(), threading.Event()
+    stop, started, failed = threading.Event(), threading.Event(), []
 
     def work() -> None:
         started.set()
-        while not stop.is_set():
-            torch.mm(inputs, weight, out=outputs)
-            torch.mm(inputs.t(), outputs, out=gradient)
+        try:
+            while not stop.is_set():
+                torch.mm(inputs, weight, out=outputs)
+                torch.mm(inputs.t(), outputs, out=gradient)
+        except Exception as error:  # noqa: BLE001 - reported on the probing thread
+            failed.append(error)
 
     thread = threading.Thread(target=work, name="gradcomp-probe-busy", daemon=True)
-    thread.start()
-    started.wait()
+    _busy_here.active = True
     try:
+        thread.start()
+        started.wait()
         yield
     finally:
         stop.set()
         thread.join()
+        _busy_here.active = False
+    if failed:
+        raise RuntimeError(f"the probe's busy thread failed: {failed[0]!r}") from failed[0]
 
 
 def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> tuple[scale.Link, list[dict]]:
@@ -807,8 +823,10 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     On a CPU the codec is timed while another thread computes (:func:`busy`), by the CPU
     time of the thread that runs it: in training it shares the cores, caches and memory
     with the backward pass, and what it adds to a step is the work it does there, not its
-    waits for a turn on a core (measured alone on the 2-core machine, int8's encode took
-    half the time it takes beside a backward pass)."""
+    waits for a turn on a core (on the 2-core machine, int8's encode of 16.8M elements took
+    51 ms of CPU alone and 109 ms beside the busy thread). Where torch runs an op on
+    several threads, the thread that calls it does its share: what the op adds to a step
+    whose cores are all busy; work it does alone (Python, serial ops) counts in full."""
     compressor = candidate(compressor)
     device = torch.device(device)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
@@ -901,10 +919,11 @@ def probe(
         rows += more
         codec_sizes |= {max(1, -(-n // hierarchy.node_size)) for n in codec_sizes}
     codecs = {}
-    for spec in compressors:
-        compressor = candidate(spec)
-        if compressor.name != "none":
-            codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, repeat)
+    with busy(device):  # one busy thread for every codec (measure_codec's own nest in it)
+        for spec in compressors:
+            compressor = candidate(spec)
+            if compressor.name != "none":
+                codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, repeat)
     world = dist.get_world_size(group)
     mine = Profile(
         device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks", links, nodes

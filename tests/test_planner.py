@@ -359,16 +359,39 @@ def test_cpu_codecs_are_timed_beside_a_busy_thread_by_the_cpu_time_they_take():
     assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
 
 
+def _busy_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gradcomp-probe-busy"]
+
+
 def test_the_busy_thread_computes_on_cpus_only():
     with planner.busy(torch.device("cpu")):
-        (thread,) = [t for t in threading.enumerate() if t.name == "gradcomp-probe-busy"]
+        (thread,) = _busy_threads()
         began, process = time.thread_time(), time.process_time()
-        time.sleep(0.05)
-        assert time.thread_time() - began < 0.02 and thread.is_alive()  # this thread only waited,
-        assert time.process_time() - process > 0.02  # the busy one computed
+        deadline = time.monotonic() + 10
+        while time.process_time() - process < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.process_time() - process >= 0.05  # the busy thread computed,
+        assert time.thread_time() - began < 0.05 and thread.is_alive()  # this one mostly waited
+        with planner.busy(torch.device("cpu")):  # nested: the same busy thread
+            assert _busy_threads() == [thread]
+        assert thread.is_alive()
     assert not thread.is_alive()
     with planner.busy(torch.device("meta")):  # a GPU's codecs are timed as they are
-        assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
+        assert not _busy_threads()
+
+
+def test_a_busy_thread_that_fails_is_reported(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="busy thread failed.*out of memory"):
+        with planner.busy(torch.device("cpu")):
+            monkeypatch.setattr(torch, "mm", broken)
+            deadline = time.monotonic() + 10
+            while _busy_threads() and _busy_threads()[0].is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    monkeypatch.undo()
+    assert not _busy_threads()
 
 
 @pytest.mark.slow
@@ -569,7 +592,7 @@ def test_auto_plans_once_from_every_ranks_figures_and_compresses_the_large_bucke
     assert result["resumed_offsets"] == offsets
 
 
-def _ready_body(rank, world_size):
+def _ready_body(rank, world_size, replan_from=None):
     from torch.nn.parallel import DistributedDataParallel
 
     from gradcomp import ddp
@@ -580,9 +603,14 @@ def _ready_body(rank, world_size):
     )
     model = DistributedDataParallel(net, bucket_cap_mb=4)
     slow = profile(0.1 * GBIT)
-    state = ddp.register(model, "auto", warmup_steps=3, profile=slow)
+    state = ddp.register(model, "auto", warmup_steps=3, profile=slow, check_every=2)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-    for step in range(5):
+    for step in range(5 if replan_from is None else 8):
+        if step == 5 and replan_from is not None:
+            # Offsets as a checkpoint of each rank's own would hold them; a re-plan at step 6.
+            state.flush()
+            state._offsets = list(replan_from[rank])
+            state.replan()
         if step == 3:  # the step before's marks, as if the ranks' backward passes had differed:
             # rank 0 hands every bucket but the last over 10 s before the end, rank 1 1 ms before.
             count = len([k for k in state._sizes if k != "step"])
@@ -610,6 +638,14 @@ def test_ranks_whose_buckets_were_ready_at_different_times_agree_on_the_plan():
     assert plans[0] == plans[1] and all(c != "none" for c, _ in plans[0])
     # From its own marks, rank 0 would have kept the early buckets dense: a different plan.
     assert rank0_alone != plans[0] and rank0_alone[0] == ("none", "dense")
+
+
+def test_a_re_plan_agrees_the_offsets_it_was_given():
+    # Each rank's own offsets (as a checkpoint from before the ranks agreed them would hold).
+    own = [[-10.0, -10.0, 0.0], [-0.001, -0.001, 0.0]]
+    plans, offsets, _, sizes = spawn.run_ranks(_ready_body, 2, own, timeout=120)
+    assert len(sizes) == 3 and offsets[0] == offsets[1] == own[1]
+    assert plans[0] == plans[1]
 
 
 def test_auto_options_are_checked():
