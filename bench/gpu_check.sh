@@ -50,8 +50,9 @@ parity=${PIPESTATUS[0]}
 timeout 80 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py tests/test_cuda.py 2>&1 \
   | tee "$out/gpu_check-backends.txt"
 backends=${PIPESTATUS[0]}
-# auto's drift check on a GPU: buckets timed by CUDA events (one rank, Gloo on CUDA tensors).
-timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_streams.py 2>&1 \
+# auto on a GPU: buckets timed by CUDA events (one rank, Gloo on CUDA tensors), ready
+# offsets from real events, two ranks on the one GPU agreeing on the plan.
+timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_streams.py 2>&1 \
   | tee -a "$out/gpu_check-backends.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || backends=1
 timeout 150 python3 "$repo/bench/gpu_ddp.py" --out "$out" 2>&1 | tee "$out/gpu_check-ddp.txt"

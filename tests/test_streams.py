@@ -299,3 +299,37 @@ def test_ready_offsets_come_from_events_on_the_stream_once_done():
     torch.cuda.synchronize(device)
     offsets = gradcomp.ddp._offsets(first, marks)
     assert offsets[-1] == 0.0 and offsets[0] < offsets[1] < 0
+
+
+def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
+    from test_ddp import DDP, batches, make_model
+
+    from gradcomp import planner
+    from gradcomp.collectives import scale
+
+    torch.cuda.set_device(0)  # both ranks on the one GPU, over Gloo
+    line = planner.Linear(50e-6, 1e9)
+    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    model = DDP(make_model().cuda(), bucket_cap_mb=0.02)
+    state = gradcomp.ddp.register(model, "auto", allow=("int8",), profile=slow, min_numel=0, check_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for inputs, labels in batches(rank, world_size, 6):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs.cuda()), labels.cuda()).backward()
+        optimizer.step()
+    state.flush()
+    torch.cuda.synchronize()
+    mine = ([(p.compressor, p.how) for p in state.plan], state._offsets)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ranks_agree_on_a_plan_made_from_cuda_events():
+    # The ready marks are real events on each rank's backward stream; the plan and offsets agree.
+    everyone = run_ranks(_ranks_agree_on_a_gpu_plan, 2)
+    assert everyone[0] == everyone[1] and everyone[0][0]
+    offsets = everyone[0][1]
+    assert offsets is None or (max(offsets) == 0.0 and len(offsets) == len(everyone[0][0]))
