@@ -366,8 +366,9 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
     ordinary = [run for run in runs if run["kind"] != "powersgd"]
     current = {run["label"]: run for run in runs if run["kind"] == "powersgd"}  # what each one runs as now
     link_check = None
+    deadline = ranks_deadline(settings, len(ordinary), common.link_info())
     for round_ in range(settings["rounds"]):
-        outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, round_ == 0)
+        outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, round_ == 0, timeout=deadline)
         link_check = link_check or outcome["link_check"]
         for record in outcome["records"]:
             measured.setdefault(record["run"], []).append(record)
@@ -378,6 +379,19 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
             current[label] = run
     records = {label: pool(rounds) for label, rounds in measured.items()}
     return link_check, [failed.get(run["label"]) or records[run["label"]] for run in runs]
+
+
+def ranks_deadline(settings: dict, runs: int, link: dict | None) -> float:
+    """Seconds the ranks get for ``runs`` runs in one go: 10 minutes, plus on a limited
+    loopback a dense step's transfer (every rank's sends share the limit) for each step of
+    each run: at 100 Mbit/s a dense step of the 25M-parameter MLP alone takes 16 s."""
+    if not link:
+        return 600.0
+    features, width = settings["features"], settings["width"]
+    params = features * width + width + width * width + width + width * CLASSES + CLASSES
+    world = settings["spawn"]
+    dense_step = 2 * (world - 1) * 4 * params * 8 / link["bits_per_second"]
+    return 600.0 + runs * settings["steps"] * dense_step
 
 
 def _one_bucket(run: dict, runs: list[dict]) -> dict:

@@ -432,6 +432,16 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
     assert len(document["sources"]) == 2
 
 
+def test_the_ranks_get_time_for_every_dense_step_on_a_slow_link():
+    ddp_train = importlib.import_module("ddp_train")
+    settings = dict(features=2048, width=4096, spawn=2, steps=12)
+    assert ddp_train.ranks_deadline(settings, 7, None) == 600.0
+    # 25.2M parameters: 2 ranks send 202 MB a dense step through 100 Mbit/s, 16 s.
+    slow = ddp_train.ranks_deadline(settings, 7, {"bits_per_second": 100e6})
+    assert slow == pytest.approx(600 + 7 * 12 * 2 * 4 * 25_214_986 * 8 / 100e6)
+    assert 1900 < slow < 2000
+
+
 def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     ddp_train = importlib.import_module("ddp_train")
 
