@@ -260,20 +260,26 @@ def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
     run_ranks(_auto_times_gpu_buckets_by_events, 2)
 
 
-def _auto_times_buckets_on_a_gpu(rank: int, world_size: int) -> list[float]:
+def _auto_on_a_gpu(rank: int, world_size: int, steps: int, **options):
+    """A small model on the one GPU (every rank on it, over Gloo) trained ``steps`` steps
+    through ``"auto"`` with ``options``; its hook state once every bucket is recorded."""
     from test_ddp import DDP, batches, make_model
 
     torch.cuda.set_device(0)
     model = DDP(make_model().cuda(), bucket_cap_mb=0.02)
-    state = gradcomp.ddp.register(model, "auto", min_numel=0, check_every=2)
+    state = gradcomp.ddp.register(model, "auto", min_numel=0, check_every=2, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for inputs, labels in batches(rank, world_size, 9):
+    for inputs, labels in batches(rank, world_size, steps):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(inputs.cuda()), labels.cuda()).backward()
         optimizer.step()
     state.flush()
     torch.cuda.synchronize()
-    return [p.observed_seconds for p in state.plan]
+    return state
+
+
+def _auto_times_buckets_on_a_gpu(rank: int, world_size: int) -> list[float]:
+    return [p.observed_seconds for p in _auto_on_a_gpu(rank, world_size, 9).plan]
 
 
 @pytest.mark.gpu
@@ -302,23 +308,12 @@ def test_ready_offsets_come_from_events_on_the_stream_once_done():
 
 
 def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
-    from test_ddp import DDP, batches, make_model
-
     from gradcomp import planner
     from gradcomp.collectives import scale
 
-    torch.cuda.set_device(0)  # both ranks on the one GPU, over Gloo
     line = planner.Linear(50e-6, 1e9)
     slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
-    model = DDP(make_model().cuda(), bucket_cap_mb=0.02)
-    state = gradcomp.ddp.register(model, "auto", allow=("int8",), profile=slow, min_numel=0, check_every=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for inputs, labels in batches(rank, world_size, 6):
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs.cuda()), labels.cuda()).backward()
-        optimizer.step()
-    state.flush()
-    torch.cuda.synchronize()
+    state = _auto_on_a_gpu(rank, world_size, 6, allow=("int8",), profile=slow)
     mine = ([(p.compressor, p.how) for p in state.plan], state._offsets)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
