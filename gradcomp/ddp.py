@@ -421,10 +421,7 @@ class HookState:
 
     def _check(self, q, deviation: float, forced: bool) -> None:
         """(worker) Every rank's drift and requests combined; a new plan when due, for the next step."""
-        flags = torch.tensor([deviation, float(forced)], dtype=torch.float64)
-        flags = flags.to(planner.default_device(q.group))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=q.group)
-        worst, forced = flags.tolist()
+        worst, forced = _ranks_max(q, [deviation, float(forced)])
         drifted = self.drift is not None and worst > self.drift
         if forced or drifted:
             self._replanned = self._choose(q, [p.numel for p in self.plan])
@@ -919,16 +916,16 @@ def _agreed_offsets(q, offsets: list[float] | None, count: int) -> list[float] |
     reduction starts when its last rank hands it over), or None on every rank where any rank
     has none. The plan depends on them: ranks must agree, or they would reduce a bucket
     differently."""
-    device = planner.default_device(q.group)
-    mine = torch.zeros(count + 1, dtype=torch.float64)
-    if offsets is None or len(offsets) != count:
-        mine[0] = 1.0
-    else:
-        mine[1:] = torch.tensor(offsets, dtype=torch.float64)
-    mine = mine.to(device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=q.group)
-    agreed = mine.tolist()
+    missing = offsets is None or len(offsets) != count
+    agreed = _ranks_max(q, [1.0, *[0.0] * count] if missing else [0.0, *offsets])
     return None if agreed[0] else agreed[1:]
+
+
+def _ranks_max(q, values: list[float]) -> list[float]:
+    """(worker; a collective) Each of ``values``, the largest any rank of ``q`` has."""
+    mine = torch.tensor(values, dtype=torch.float64).to(planner.default_device(q.group))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=q.group)
+    return mine.tolist()
 
 
 def is_auto(compressor) -> bool:
