@@ -823,8 +823,7 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     On a CPU the codec is timed while another thread computes (:func:`busy`), by the CPU
     time of the thread that runs it: in training it shares the cores, caches and memory
     with the backward pass, and what it adds to a step is the work it does there, not its
-    waits for a turn on a core (on the 2-core machine, int8's encode of 16.8M elements took
-    51 ms of CPU alone and 109 ms beside the busy thread). Where torch runs an op on
+    waits for a turn on a core. Where torch runs an op on
     several threads, the thread that calls it does its share: what the op adds to a step
     whose cores are all busy; work it does alone (Python, serial ops) counts in full."""
     compressor = candidate(compressor)
