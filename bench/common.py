@@ -81,11 +81,16 @@ def parse_rate(text: str) -> float:
     return float(match.group(1)) * _RATE_UNITS[match.group(2)]
 
 
+# Options of the DDP hook rather than of the compressor.
+HOOK_OPTIONS = ("algorithm", "inter_algorithm")
+
+
 def parse_compressor(text: str) -> tuple[str, str, dict]:
     """``"topk:ratio=0.001"`` -> ``("topk:ratio=0.001", "topk", {"ratio": 0.001})``.
 
-    Options are checked by building the compressor once; ``algorithm=`` (for
-    the scripts that register the DDP hook) is checked against it. The label
+    Options are checked by building the compressor once; ``algorithm=`` and
+    ``inter_algorithm=`` (for the scripts that register the DDP hook) are
+    checked against it. The label
     names the run in tables and result files.
     """
     name, _, rest = text.strip().partition(":")
@@ -107,9 +112,15 @@ def parse_compressor(text: str) -> tuple[str, str, dict]:
             raise argparse.ArgumentTypeError(str(error)) from None
         return text.strip(), name, options
     try:
-        compressor = gradcomp.get_compressor(name, **{k: v for k, v in options.items() if k != "algorithm"})
+        compressor = gradcomp.get_compressor(
+            name, **{k: v for k, v in options.items() if k not in HOOK_OPTIONS}
+        )
         if "algorithm" in options:
             gradcomp.collectives.check_algorithm(compressor, options["algorithm"])
+        if "inter_algorithm" in options:
+            if options.get("algorithm") != "hierarchical":
+                raise ValueError("inter_algorithm= goes with algorithm=hierarchical")
+            gradcomp.collectives.check_algorithm(compressor, options["inter_algorithm"])
     except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text.strip(), name, options

@@ -213,6 +213,10 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     state = attach(model, run)
     optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
     steps, warmup = settings["steps"], settings["warmup_steps"]
+    if run.get("name") == "auto" and state.trial_steps:
+        # Where the model cannot tell its plan from another, auto tries both (two turns of
+        # trial_steps + 1 steps after the plan): untimed, like the warm-up.
+        steps, warmup = steps + 2 * (state.trial_steps + 1), warmup + 2 * (state.trial_steps + 1)
     progress = common.Progress(steps, settings["progress"] if rank == 0 else False)
     seconds, psgd_before = [], 0
     for step in range(steps):
