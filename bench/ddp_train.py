@@ -263,6 +263,11 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     if run.get("name") == "auto":  # what the planner picked, bucket by bucket
         picks = collections.Counter(f"{p.compressor} {p.how}" for p in state.plan or [])
         note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
+        for trial in state.trials:  # what it tried, and the milliseconds a step of each
+            tried = [", ".join(plan) for plan in trial["plans"]]
+            times = " vs ".join(f"{t:.0f}" for t in trial["step_ms"])
+            kept = ("first", "second")[trial["kept"]]
+            note += f" (tried {' against '.join(tried)}: {times} ms, kept the {kept})"
         if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
             planned = 1e3 * sum(p.seconds for p in state.plan)
     with torch.no_grad():
@@ -476,8 +481,8 @@ def add_predictions(records: list[dict], world_size: int) -> None:
     for record in records:
         if record["failed"] or record["kind"] not in ("dense", "gradcomp") or record["name"] == "auto":
             continue
-        options = dict(record["options"])
-        algorithm = options.pop("algorithm", None)
+        options = {k: v for k, v in record["options"].items() if k not in common.HOOK_OPTIONS}
+        algorithm = record["options"].get("algorithm")
         try:
             compressor = gradcomp.get_compressor(record["name"] or "none", **options)
             seconds = sum(

@@ -143,6 +143,9 @@ class HookState:
             more than this fraction (either way; None: never).
         replan_every: with ``"auto"``: re-measure and re-plan at the first
             check this many steps after the plan (None: only on drift).
+        trial_steps: with ``"auto"``: where the model cannot tell the plan from
+            another (:func:`gradcomp.planner.contender`), how many steps each
+            runs before the faster is kept (at least 2; 0: never try).
 
     With ``compressor="auto"`` the hook reduces its first ``warmup_steps``
     steps (at least 2) dense; at the first step after them it measures the
@@ -161,6 +164,16 @@ class HookState:
     prediction: the observed/predicted ratio over the window (the median of
     its steps) against the ratio of the first window after the plan, which
     calibrates what the model leaves out (overlap with the backward pass).
+
+    The model misses by up to a quarter on some links and devices, so where
+    another choice is predicted within :data:`gradcomp.planner.MARGIN` of a
+    plan's (either way), the plan is tried against it before it is kept: each
+    runs ``trial_steps`` steps and one more (the step its turn is judged in);
+    its steps but the first (which may fold residuals in) are timed on every
+    rank, the slowest rank's time counts, and the faster plan stays
+    (:attr:`trials` records each trial: its plans, their milliseconds a step,
+    which one was kept). Checks resume after it; a checkpoint keeps a trial
+    under way, and a resumed run times the turn it is in from its own steps.
     Past ``drift``, after ``replan_every`` steps, or when :meth:`replan` was
     called on any rank, the check measures again and plans afresh; the new
     plan applies from the next step. A bucket whose compressor or algorithm
@@ -189,8 +202,13 @@ class HookState:
         "check_every",
         "drift",
         "replan_every",
+        "trial_steps",
         # progress and residuals
         "plan",
+        "trials",
+        "_trial",
+        "_contender",
+        "_marks",
         "_sizes",
         "_ready",
         "_offsets",
@@ -233,6 +251,7 @@ class HookState:
         check_every: int = 10,
         drift: float | None = 0.5,
         replan_every: int | None = None,
+        trial_steps: int = 4,
     ):
         auto = is_auto(compressor)
         self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
@@ -245,7 +264,11 @@ class HookState:
             raise ValueError("check_every must be a positive integer, got None")
         if drift is not None and (type(drift) not in (int, float) or drift <= 0):
             raise ValueError(f"drift must be a positive fraction or None, got {drift!r}")
+        valid_trial = isinstance(trial_steps, int) and not isinstance(trial_steps, bool)
+        if not valid_trial or trial_steps < 0 or trial_steps == 1:
+            raise ValueError(f"trial_steps must be 0 (no trials) or at least 2, got {trial_steps!r}")
         self.check_every, self.drift, self.replan_every = check_every, drift, replan_every
+        self.trial_steps = trial_steps
         if auto:
             if algorithm is not None or inter_algorithm is not None:
                 raise ValueError(
@@ -276,6 +299,10 @@ class HookState:
         # [[start, end], ...] events of the worker's stream on GPUs
         self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
+        self.trials: list[dict] = []  # each trial: its plans' choices, their step times, which stayed
+        self._trial: dict | None = None  # the trial under way: {"plans": [...], "seconds": [...]}
+        self._marks: dict[int, float] = {}  # step -> when its first bucket was hooked (after the plan)
+        self._contender: list | None = None  # the last _choose's contender plan (worker)
         ops.check_forced_backend()
         self.process_group = process_group
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
@@ -332,6 +359,12 @@ class HookState:
                     self._pending.wait()  # a check of the step just ended: its plan applies from the next
                 if self._replanned is not None:
                     saved["next_plan"] = _saved_plan(self._replanned)
+                if self._trial is not None:
+                    saved["auto_trial"] = {
+                        "plans": [_saved_plan(plan) for plan in self._trial["plans"]],
+                        "seconds": list(self._trial["seconds"]),
+                    }
+            saved["auto_trials"] = list(self.trials)
         return saved
 
     def load_state_dict(self, state: dict) -> None:
@@ -347,6 +380,14 @@ class HookState:
         self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
         self._hooked_step, self._replan_requested = -1, False
         self.plan, self._chosen, self._adopted_at, self._last = None, [], None, {}
+        self.trials, self._trial, self._marks = list(state.get("auto_trials", [])), None, {}
+        self._contender = None
+        if "auto_trial" in state:
+            trial = state["auto_trial"]
+            self._trial = {
+                "plans": [_loaded_plan(plan) for plan in trial["plans"]],
+                "seconds": list(trial["seconds"]),
+            }
         if "plan" in state:
             self._adopt_plan(_loaded_plan(state["plan"]))
             self._adopted_at = state.get("auto_adopted_at", int(state["step"]))
@@ -390,6 +431,7 @@ class HookState:
         self._adopt_plan(self._choose(q, sizes, (hooked.get("first"), marks)))
         self._adopted_at = self._planned_at + 1  # the planning step's CPU dense buckets went natively
         logger.info("gradcomp auto plan: %s", _described(self.plan))
+        self._begin_trial(self.plan)
 
     def _choose(self, q, sizes: list[int], marks: tuple | None = None) -> list:
         """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles.
@@ -408,7 +450,50 @@ class HookState:
         if marks is not None and self._offsets is None:
             logger.info("gradcomp auto: planning without the overlap with the backward pass (no ready times)")
         ready = self._offsets
-        return planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
+        plan = planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
+        self._contender = None
+        if self.trial_steps:
+            self._contender = planner.contender(sizes, q.world_size, profile, plan, self.allow)
+        return plan
+
+    def _begin_trial(self, plan: list) -> None:
+        """(worker, after :meth:`_choose`) Try ``plan`` against its contender, if it has one."""
+        other, self._contender = self._contender, None
+        self._trial = None if other is None else {"plans": [plan, other], "seconds": []}
+        if other is not None:
+            logger.info(
+                "gradcomp auto tries the plan against %s for %d steps each (predicted within %.0f%%)",
+                _choices(other),
+                self.trial_steps,
+                planner.MARGIN * 100,
+            )
+
+    def _judge(self, q, seconds: float) -> None:
+        """(worker, the last step of a plan's trial) Every rank's time of its steps combined (the
+        slowest); the next plan to try, or the faster kept (adopted from the next step)."""
+        trial = self._trial
+        (worst,) = _ranks_max(q, [seconds])  # unknown on a rank: inf there
+        trial["seconds"].append(worst)
+        plans, times = trial["plans"], trial["seconds"]
+        if len(times) < len(plans):
+            self._replanned = plans[len(times)]
+            return
+        best = min(range(len(plans)), key=lambda i: (times[i], i))
+        self._trial = None
+        self.trials.append(
+            {
+                "plans": [[f"{p.compressor} {p.how}" for p in plan] for plan in plans],
+                "step_ms": [1e3 * t for t in times],
+                "kept": best,
+            }
+        )
+        logger.info(
+            "gradcomp auto keeps %s: %s ms a step",
+            _choices(plans[best]),
+            " against ".join(f"{1e3 * t:.4g}" for t in times),
+        )
+        if best != len(plans) - 1:
+            self._replanned = plans[best]
 
     def replan(self) -> None:
         """Measure and plan afresh at the next check (every ``check_every`` steps; ``"auto"`` only).
@@ -427,6 +512,7 @@ class HookState:
             self._replanned = self._choose(q, [p.numel for p in self.plan])
             why = f"drift {worst:.0%} past {self.drift:.0%}" if drifted else "requested"
             logger.info("gradcomp auto re-plans (%s): %s", why, _described(self._replanned))
+            self._begin_trial(self._replanned)
 
     def _switch(self, step: int) -> None:
         """(hook, first bucket of ``step``) Adopt the plan the last check made."""
@@ -667,6 +753,10 @@ def _loaded_plan(saved: list) -> list:
     return [planner.Prediction(c, a, n, *(rest or (0, 0.0, 0.0))) for n, c, a, *rest in saved]
 
 
+def _choices(plan: list) -> str:
+    return ", ".join(f"{p.compressor} {p.how}" for p in plan)
+
+
 def _described(plan: list) -> str:
     return "; ".join(
         f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.how}, "
@@ -878,12 +968,24 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         return
     # The first bucket of a step after the plan: the step boundary, where plans change.
     state._hooked_step = step
+    state._marks[step] = time.perf_counter()
+    for old in [s for s in state._marks if s < step - _TIMED_STEPS]:
+        del state._marks[old]
     if state._pending is not None:
         state._pending.wait()  # the check of the step before (what it measures takes a while)
         state._pending = None
     if state._replanned is not None:
         state._switch(step)
     since = step - state._adopted_at
+    if state._trial is not None:
+        if since == state.trial_steps:
+            # The plan's steps but the first (its switch), timed up to this one's start.
+            begun = [s for s in range(state._adopted_at + 1, step) if s in state._marks]
+            seconds = (state._marks[step] - state._marks[begun[0]]) / (step - begun[0]) if begun else math.inf
+            state._pending = q.submit(
+                functools.partial(state._judge, q, seconds), buffer.device, name="gradcomp.trial"
+            )
+        return
     if since == 0 or since % state.check_every:
         return
     # A check, at the same steps on every rank: each brings its drift and requests.
@@ -954,7 +1056,7 @@ def register(
     ``min_numel``, ``process_group``, ``algorithm``, ``node_size``,
     ``inter_algorithm``, ``residual_dtype``, ``measure_error``, ``history``;
     with ``"auto"``: ``allow``, ``profile``, ``check_every``, ``drift``,
-    ``replan_every``) and the compressor's own (``ratio``, ``block``, ...).
+    ``replan_every``, ``trial_steps``) and the compressor's own (``ratio``, ``block``, ...).
     The hook reduces over the group the model was built on
     (``DistributedDataParallel(..., process_group=...)``); a
     ``process_group`` given here must be that group.

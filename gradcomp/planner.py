@@ -439,6 +439,39 @@ def choose(
     return plan
 
 
+def contender(
+    numels: list[int],
+    world_size: int,
+    profile: Profile,
+    plan: list[Prediction],
+    candidates=SAFE,
+    within: float = MARGIN,
+) -> list[Prediction] | None:
+    """The plan to try beside ``plan`` (:func:`choose`'s), or None: per bucket the fastest
+    other pair predicted within ``within`` of the plan's choice either way (where the model
+    cannot tell them apart), the plan's choice where none is. None where no bucket has one.
+
+    Another compressor comes before another algorithm of the same one: the codecs' times
+    are what the model misses most (they depend on what else the cores do). A pair
+    predicted far faster is no contender: :func:`choose` kept it out for a reason (the
+    margin over dense, the overlap with the backward pass)."""
+    pairs = choices(candidates, world_size, profile.nodes)
+    other, found = [], False
+    for numel, chosen in zip(numels, plan, strict=True):
+        close = [
+            p
+            for p in (predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs)
+            if (p.compressor, p.how) != (chosen.compressor, chosen.how)
+            and abs(p.seconds - chosen.seconds) <= within * chosen.seconds
+        ]
+        best = min(
+            close, key=lambda p: (p.compressor == chosen.compressor, p.seconds, p.bytes_sent), default=None
+        )
+        found = found or best is not None
+        other.append(chosen if best is None else best)
+    return other if found else None
+
+
 def exposed_seconds(ready: list[float], seconds: list[float]) -> float:
     """The communication left when the backward pass ends: buckets reduced one after another
     in this order, each from when it is ready (seconds before the end, at most 0) or the one

@@ -603,7 +603,7 @@ def _ready_body(rank, world_size, replan_from=None):
     )
     model = DistributedDataParallel(net, bucket_cap_mb=4)
     slow = profile(0.1 * GBIT)
-    state = ddp.register(model, "auto", warmup_steps=3, profile=slow, check_every=2)
+    state = ddp.register(model, "auto", warmup_steps=3, profile=slow, check_every=2, trial_steps=0)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     for step in range(5 if replan_from is None else 8):
         if step == 5 and replan_from is not None:
@@ -770,6 +770,7 @@ def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, no
         check_every=2,
         replan_every=every,
         node_size=node_size,
+        trial_steps=0,  # re-plans only: trials have their own tests
     )
     # A linear loss: every step's gradient is the same, so error feedback must deliver
     # steps * lr * (their mean) in all, whatever the compressors did on the way.
@@ -868,6 +869,104 @@ def test_a_plan_moving_between_hierarchical_and_flat_carries_the_residuals():
     assert min(gaps[s] for s in range(9, 12)) > 1e-4 * scale_  # int8 holds back less
     assert max(gaps[s] for s in range(12, 15)) < 1e-6 * scale_
     assert result["residuals"] == [] and result["replicas_equal"]
+
+
+# int8 predicted a little faster than int4 on this link (within the margin): a trial.
+NEAR = planner.Profile("near", scale.Link(0.1 * GBIT, 20e-6), _codecs(int8=1e8, int4=4e7), 2)
+
+
+def test_the_contender_is_a_choice_the_model_cannot_tell_from_the_plans():
+    numel = 128 * 512 + 512
+    allow = ("int8", "int4")
+    plan = planner.choose([numel], 2, NEAR, allow)
+    assert [(p.compressor, p.algorithm) for p in plan] == [("int8", "allgather")]
+    (other,) = planner.contender([numel], 2, NEAR, plan, allow)
+    # Another compressor first (int8's two_phase is closer still), within the margin.
+    assert (other.compressor, other.algorithm) == ("int4", "allgather")
+    assert abs(other.seconds - plan[0].seconds) <= planner.MARGIN * plan[0].seconds
+    # int4 far slower: int8's other algorithm is the one left within the margin.
+    slow4 = planner.Profile("s", NEAR.link, _codecs(int8=1e8, int4=1e7), 2)
+    (other,) = planner.contender([numel], 2, slow4, planner.choose([numel], 2, slow4, allow), allow)
+    assert (other.compressor, other.algorithm) == ("int8", "two_phase")
+    # Dense kept though int8 is predicted far faster (as the overlap with the backward
+    # pass may decide): no contender, nor where nothing comes within the margin.
+    dense = [planner.predict("none", numel, 2, NEAR)]
+    assert planner.contender([numel], 2, NEAR, dense, allow) is None
+    assert planner.contender([numel], 2, NEAR, plan, ("int8",), within=0.001) is None
+    # Buckets without one keep the plan's choice in the contender plan.
+    two = planner.choose([numel, 100], 2, NEAR, allow)
+    assert two[1].compressor == "none"
+    assert planner.contender([numel, 100], 2, NEAR, two, allow, within=0.1)[1] is two[1]
+
+
+def _trial_body(rank, world_size, steps, slow):
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(128, 512)
+    model = DistributedDataParallel(net)
+    state = ddp.register(model, "auto", allow=("int8", "int4"), profile=NEAR, warmup_steps=2, check_every=2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(rank))
+    saved = None
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        if rank == 1 and state.plan and state.plan[0].compressor == slow:
+            time.sleep(0.25)  # one rank's steps slower with this compressor: every rank's are
+        if step == 10:  # in the contender's turn: a checkpoint keeps the trial
+            state.flush()
+            saved = state.state_dict()
+    state.flush()
+    resumed = ddp.HookState("auto", allow=("int8", "int4"), profile=NEAR)
+    resumed.load_state_dict(saved)
+    final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    finals = [torch.empty_like(final) for _ in range(world_size)]
+    dist.all_gather(finals, final)
+    trials = [None] * world_size
+    dist.all_gather_object(trials, state.trials)
+    return dict(
+        hows=[s.compressors[0] for s in state.stats],
+        trials=trials,
+        plan=[(p.compressor, p.algorithm) for p in state.plan],
+        saved_trial=[[p.compressor for p in plan] for plan in resumed._trial["plans"]],
+        saved_seconds=resumed._trial["seconds"],
+        replicas_equal=all(torch.equal(finals[0], f) for f in finals),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow", ["int8", "int4"])
+def test_auto_tries_a_close_contender_and_keeps_the_faster(slow):
+    result = spawn.run_ranks(_trial_body, 2, 15, slow, timeout=240)
+    # Planned at step 2 (int8); it runs to step 7, whose check times steps 4-6; int4
+    # runs steps 8-12 (timed 9-11), and the faster plan applies from step 13.
+    kept = "int4" if slow == "int8" else "int8"
+    expected = ["none dense"] * 2 + ["int8 allgather"] * 6 + ["int4 allgather"] * 5
+    assert result["hows"] == expected + [f"{kept} allgather"] * 2
+    (trial,) = result["trials"][0]
+    assert trial["plans"] == [["int8 allgather"], ["int4 allgather"]]
+    assert trial["kept"] == ("int8", "int4").index(kept)
+    # The slow plan's steps took the 0.25 s sleep more (the slowest rank's, every rank's).
+    assert trial["step_ms"][1 - trial["kept"]] > trial["step_ms"][trial["kept"]] + 150
+    assert result["plan"] == [(kept, "allgather")] and result["replicas_equal"]
+    # A checkpoint in int4's turn holds the trial: int8's time, int4's still to come.
+    assert result["saved_trial"] == [["int8"], ["int4"]] and len(result["saved_seconds"]) == 1
+    assert result["trials"][0] == result["trials"][1]  # every rank kept the same
+
+
+def test_trial_steps_is_checked():
+    from gradcomp import ddp
+
+    for bad in (1, -1, True, 2.0):
+        with pytest.raises(ValueError, match="trial_steps"):
+            ddp.HookState("auto", trial_steps=bad)
+    assert ddp.HookState("auto", trial_steps=0).trial_steps == 0
 
 
 def _drift_body(rank, world_size, steps, slow_from):
