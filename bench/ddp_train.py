@@ -205,6 +205,13 @@ def batch(step: int, rank: int, world_size: int, settings: dict) -> tuple[torch.
     return inputs[rank::world_size], labels[rank::world_size]
 
 
+def held_out_loss(net: torch.nn.Module, settings: dict) -> float:
+    """Cross-entropy on 2048 held-out samples."""
+    with torch.no_grad():
+        inputs, labels = samples(12345, 2048, settings)
+        return F.cross_entropy(net(inputs), labels).item()
+
+
 def train(rank: int, world_size: int, run: dict, settings: dict, position: str) -> dict:
     """One run on every rank: time ``steps`` steps, then the loss on a held-out batch (rank 0)."""
     net = make_mlp(settings["features"], settings["width"], CLASSES, seed=0)
@@ -241,6 +248,8 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
             slug = re.sub(r"[^A-Za-z0-9]+", "-", run["label"]).strip("-")
             profiler.export_chrome_trace(os.path.join(settings["profile"], f"ddp_train-{slug}.json"))
         progress.update(step + 1, f"[{position}] {run['label']}")
+        if step + 1 == settings["steps"]:  # every run's loss after as many steps (auto's trial: more)
+            loss = held_out_loss(net, settings) if run["kind"] != "compute" else math.nan
     progress.close()
     slowest = torch.tensor(seconds[warmup:], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -270,9 +279,6 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
             note += f" (tried {' against '.join(tried)}: {times} ms, kept the {kept})"
         if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
             planned = 1e3 * sum(p.seconds for p in state.plan)
-    with torch.no_grad():
-        inputs, labels = samples(12345, 2048, settings)
-        loss = F.cross_entropy(net(inputs), labels).item() if run["kind"] != "compute" else math.nan
     return dict(
         run=run["label"],
         kind=run["kind"],
@@ -602,8 +608,9 @@ def describe(settings: dict, records: list[dict]) -> str:
         f"({parameters:,} parameters, bucket_cap_mb {settings['bucket_cap_mb']:g}), synthetic "
         f"data (a linear teacher on a {LATENT}-dim latent), batch {settings['batch_size']} per rank, "
         f"SGD lr {settings['lr']} momentum 0.9, "
-        f"{settings['steps']} steps ({settings['warmup_steps']} untimed), median of the slowest rank; "
-        "loss: cross-entropy on 2048 held-out samples after the steps"
+        f"{settings['steps']} steps ({settings['warmup_steps']} untimed; auto runs its trial's "
+        "steps on top, untimed), median of the slowest rank; "
+        "loss: cross-entropy on 2048 held-out samples after the steps (auto: after as many)"
     )
 
 
