@@ -310,8 +310,9 @@ def predict(
     the node size) among the nodes with ``inter_algorithm`` (default: the
     compressor's), on the link between nodes.
 
-    A two_phase all-reduce of a long CPU tensor runs as a pipeline of ``S``
-    segments (:func:`gradcomp.collectives.two_phase_segments`): one segment's
+    A two_phase or allgather all-reduce of a long CPU tensor (dense payloads) runs as a
+    pipeline of ``S`` segments (:func:`gradcomp.collectives.two_phase_segments`,
+    :func:`gradcomp.collectives.allgather_segments`): one segment's
     codec work overlaps another's exchange, so of the exchange ``X`` and the
     codec ``C`` only ``max(X, C) + min(X, C) / S`` remains (a pipeline's fill
     and drain). A profile measured on a CPU says so in its device name."""
@@ -331,9 +332,15 @@ def predict(
         codec = encode_calls * c.encode.overhead + encode * numel / c.encode.rate
         codec += decode_calls * c.decode.overhead + decode * numel / c.decode.rate
     overlap = 0.0
-    if algorithm == "two_phase" and not compressor.sparse and profile.on_cpu and world_size > 1:
+    if (
+        algorithm in ("two_phase", "allgather")
+        and not compressor.sparse
+        and profile.on_cpu
+        and world_size > 1
+    ):
         align = getattr(compressor, "block", 1)
-        segments = len(two_phase_segments(numel, world_size, align, torch.device("cpu")))
+        ranks = world_size if algorithm == "two_phase" else 1  # allgather's segments are whole
+        segments = len(two_phase_segments(numel, ranks, align, torch.device("cpu")))
         overlap = min(exchange, codec) * (1 - 1 / segments)
     return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec, overlap)
 

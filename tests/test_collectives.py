@@ -502,32 +502,42 @@ def test_compressor_by_name_reuses_its_residual():
 
 
 def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None:
-    # Long tensors run two_phase as a pipeline of segments. Cutting a tensor
-    # into many segments must give the bits of one segment: results and the
-    # senders' residuals (the owners' hold other elements per segmentation),
-    # over steps with error feedback, odd sizes and blocks.
-    from gradcomp.collectives import two_phase
+    # Long CPU tensors run two_phase and allgather as a pipeline of segments.
+    # Cutting a tensor into many segments must give the bits of one segment:
+    # results and the senders' residuals (two_phase owners' hold other elements
+    # per segmentation), over steps with error feedback, odd sizes and blocks.
+    from gradcomp.collectives import allgather_segments, two_phase
 
     numel = 10_007
-    for name, options in (
-        ("int8", {}),
-        ("int4", {"block": 100}),
-        ("sign", {}),
-        ("int8", {"stochastic": True}),
+    for algorithm, name, options in (
+        ("two_phase", "int8", {}),
+        ("two_phase", "int4", {"block": 100}),
+        ("two_phase", "sign", {}),
+        ("two_phase", "int8", {"stochastic": True}),
+        ("allgather", "int8", {}),
+        ("allgather", "int4", {"block": 100}),
+        ("allgather", "ternary", {}),  # five codes a byte: segments end inside a byte
+        ("allgather", "bf16", {}),
+        ("allgather", "int8", {"stochastic": True}),
     ):
         compressor = gradcomp.get_compressor(name, **options)
         runs = {}
         for segment in (numel, 300):
             two_phase.SEGMENT_ELEMENTS = segment
+            if algorithm == "allgather":
+                cut = allgather_segments(compressor, numel, torch.device("cpu"))
+                assert (len(cut) > 1) == (segment < numel)
             memory, results = gradcomp.ErrorFeedback(), []
             for step in range(3):
                 result = _input(rank, numel, torch.float32, salt=step)
-                gradcomp.all_reduce(result, compressor, feedback=memory, name="g", step=step)
+                gradcomp.all_reduce(
+                    result, compressor, feedback=memory, name="g", step=step, algorithm=algorithm
+                )
                 results.append(result)
             senders = [memory.get(key) for key in memory.keys() if not isinstance(key, tuple)]
             assert len(senders) == int(compressor.needs_feedback)
             runs[segment] = (results, senders)
-        where = f"{name} {options}"
+        where = f"{algorithm} {name} {options}"
         if options.get("stochastic"):
             # Other random streams per segment; still unbiased, so only check agreement.
             assert same_on_all_ranks(runs[300][0][-1]), where
@@ -536,9 +546,21 @@ def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None
             assert torch.equal(got, expected), where
 
 
+def test_allgather_pipelines_dense_cpu_payloads_only():
+    from gradcomp.collectives import allgather_segments, two_phase
+
+    cpu, long = torch.device("cpu"), 5 * two_phase.SEGMENT_ELEMENTS + 3
+    segments = allgather_segments(gradcomp.get_compressor("int8", block=96), long, cpu)
+    assert len(segments) == 5 and segments[0][0] == 0 and segments[-1][1] == long
+    assert all(a[1] == b[0] and (a[1] - a[0]) % 96 == 0 for a, b in zip(segments, segments[1:], strict=False))
+    # A selection over the whole tensor cannot be cut; nor does a GPU's queued work gain by it.
+    assert allgather_segments(gradcomp.get_compressor("topk"), long, cpu) == [(0, long)]
+    assert allgather_segments(gradcomp.get_compressor("int8"), long, torch.device("cuda")) == [(0, long)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_segmented_two_phase_is_bit_exact(world_size):
+def test_segmented_two_phase_and_allgather_are_bit_exact(world_size):
     run_ranks(_segmented_two_phase_matches_one_segment, world_size)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import gradcomp
 from gradcomp import cli, planner, spawn
 from gradcomp.collectives import scale
 from gradcomp.compressors import BF16
@@ -120,7 +121,7 @@ def test_candidates_parse_short_and_long_options():
 
 
 def test_a_pipelined_two_phase_on_cpus_overlaps_its_codec_with_its_exchange():
-    from gradcomp.collectives import two_phase_segments
+    from gradcomp.collectives import allgather_segments, two_phase_segments
 
     on_cpu = dataclasses.replace(profile(GBIT / 10, rate=1e8), device="2 CPUs (test)")
     on_gpu = dataclasses.replace(on_cpu, device="NVIDIA H200")
@@ -132,8 +133,14 @@ def test_a_pipelined_two_phase_on_cpus_overlaps_its_codec_with_its_exchange():
     exchange, codec = cpu.exchange_seconds, cpu.codec_seconds
     assert (exchange, codec) == (gpu.exchange_seconds, gpu.codec_seconds) and gpu.overlap_seconds == 0
     assert cpu.seconds == pytest.approx(max(exchange, codec) + min(exchange, codec) / segments)
-    # One segment, an all-gather, a sparse two-phase: nothing overlaps.
-    for compressor, numel, algorithm in (("int8", short, "two_phase"), ("int8", long, "allgather")):
+    # An all-gather of a dense payload too, in its own segments (whole ones: twice two_phase's).
+    gathered = planner.predict("int8", long, 2, on_cpu, "allgather")
+    whole = len(allgather_segments(gradcomp.get_compressor("int8"), long, torch.device("cpu")))
+    assert whole == 12 and gathered.overlap_seconds == pytest.approx(
+        min(gathered.exchange_seconds, gathered.codec_seconds) * (1 - 1 / whole)
+    )
+    # One segment, a sparse all-gather or two-phase: nothing overlaps.
+    for compressor, numel, algorithm in (("int8", short, "two_phase"), ("topk", long, "allgather")):
         assert planner.predict(compressor, numel, 2, on_cpu, algorithm).overlap_seconds == 0
     assert planner.predict("topk", long, 4, on_cpu, "two_phase").overlap_seconds == 0
 

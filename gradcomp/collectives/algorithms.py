@@ -30,7 +30,7 @@ from gradcomp.collectives.low_rank import low_rank
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds, two_phase, two_phase_segments
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
-from gradcomp.compressors import Compressor
+from gradcomp.compressors import Compressor, mix_seed
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import buffer_size
 
@@ -211,27 +211,37 @@ def _dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats)
         job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
 
 
+def allgather_segments(compressor: Compressor, numel: int, device: torch.device) -> list[tuple[int, int]]:
+    """The segments of an ``allgather`` all-reduce: on CPUs a long dense payload goes as a
+    pipeline (:func:`two_phase_segments` of one rank: each at least ``SEGMENT_ELEMENTS``,
+    whole blocks), so that compressing one segment overlaps the exchange of the one
+    before; sparse payloads (a selection over the whole tensor) and GPUs take one."""
+    if compressor.sparse:
+        return [(0, numel)] if numel else []
+    return two_phase_segments(numel, 1, getattr(compressor, "block", 1), device)
+
+
 def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     """Gather every rank's payload of the whole tensor, decode and add them in
-    rank order (every rank gets the same bits)."""
-    payload = compress_measured(job, flat, job.residual(job.key, flat), q.rank, stats)
-    # Every payload's size follows from numel, dtype and settings: no size exchange.
-    width = buffer_size(payload.layout())
-    gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
-    with exchange():
-        gather = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
-    stats.bytes_sent += width * (q.world_size - 1)
+    rank order (every rank gets the same bits); segment by segment
+    (:func:`allgather_segments`), each segment's random stream its own."""
+    residual = job.residual(job.key, flat)
+    gathers = []
+    for s, (start, end) in enumerate(allgather_segments(job.compressor, flat.numel(), flat.device)):
+        part = None if residual is None else residual.view(-1)[start:end]
+        segment_job = job if s == 0 else dataclasses.replace(job, key=mix_seed(job.key, s))
+        payload = compress_measured(segment_job, flat[start:end], part, q.rank, stats)
+        # Every payload's size follows from numel, dtype and settings: no size exchange.
+        width = buffer_size(payload.layout())
+        gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
+        with exchange():
+            gather = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
+        gathers.append((gather, gathered, payload.meta, start, end))
+        stats.bytes_sent += width * (q.world_size - 1)
     yield  # every collective of this job is issued: the next job may start
-    with exchange():
-        gather.wait()
-    with Timer(stats):
-        divisor = q.world_size if job.op == "avg" else 1
-        job.compressor.decompress_sum(gathered, flat.dtype, flat, meta=payload.meta, divisor=divisor)
-
-
-# Two-phase all-reduces of long CPU tensors run as a pipeline of segments,
-# so that compressing one segment overlaps the exchange of the one before
-# (Gloo moves bytes while the host compresses). A segment holds at least
-# SEGMENT_ELEMENTS per rank (about 1 MB of int8 payload, far above a
-# collective's latency), and there are at most MAX_SEGMENTS. On a GPU the
-# worker queues every kernel of a job without waiting for any, so segments
+    divisor = q.world_size if job.op == "avg" else 1
+    for gather, gathered, meta, start, end in gathers:
+        with exchange():
+            gather.wait()
+        with Timer(stats):
+            job.compressor.decompress_sum(gathered, flat.dtype, flat[start:end], meta=meta, divisor=divisor)
