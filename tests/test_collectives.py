@@ -468,6 +468,11 @@ def test_default_algorithms():
     assert default_algorithm(gradcomp.get_compressor("randk"), 1024) == "dense"
     assert default_algorithm(gradcomp.get_compressor("int8")) == "two_phase"
     assert default_algorithm(gradcomp.get_compressor("sign")) == "two_phase"
+    # Dense payloads on 2 ranks: as many bytes either way, one quantization gathered.
+    for name in ("int8", "int4", "sign"):
+        compressor = gradcomp.get_compressor(name)
+        assert default_algorithm(compressor, 2) == "allgather"
+        assert default_algorithm(compressor, 3) == default_algorithm(compressor, 64) == "two_phase"
 
 
 @pytest.mark.parametrize("numel,parts,align", [(1, 4, 256), (1000, 3, 256), (4097, 4, 1), (0, 2, 8)])

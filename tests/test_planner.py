@@ -198,8 +198,8 @@ def test_hierarchical_is_the_nodes_stages_plus_a_shards_reduction_between_nodes(
     assert got.exchange_seconds == pytest.approx(p.nodes.stages.seconds(BUCKET) + inner.exchange_seconds)
     assert got.codec_seconds == inner.codec_seconds
     assert got.bytes_sent == 2 * 3 * (BUCKET // 4) * 4 + inner.bytes_sent
-    # Without an algorithm between nodes, the compressor's default there.
-    assert planner.predict("int8", BUCKET, 8, p, "hierarchical").inter_algorithm == "two_phase"
+    # Without an algorithm between nodes, the compressor's default there (2 nodes: allgather).
+    assert planner.predict("int8", BUCKET, 8, p, "hierarchical").inter_algorithm == "allgather"
     for bad in (profile(GBIT), dataclasses.replace(p, nodes=planner.Nodes(2, 2, p.nodes.stages, p.link))):
         with pytest.raises(ValueError, match="hierarchical over 8 ranks"):
             planner.predict("int8", BUCKET, 8, bad, "hierarchical")

@@ -48,13 +48,15 @@ SPARSE_TWO_PHASE_FROM = 8
 def default_algorithm(compressor: Compressor, world_size: int | None = None) -> str:
     """``dense`` for summable payloads; for Top-K ``allgather`` on fewer than
     ``SPARSE_TWO_PHASE_FROM`` ranks (or an unknown number), ``two_phase`` from
-    there on; ``two_phase`` for other payloads."""
+    there on; for other payloads ``allgather`` on 2 ranks (the bytes of
+    two_phase, one quantization and one collective instead of two, a third
+    fewer encodes), ``two_phase`` on more (or an unknown number)."""
     if compressor.summable or compressor.low_rank:
         return "dense"
     if compressor.sparse:
         wide = world_size is not None and world_size >= SPARSE_TWO_PHASE_FROM
         return "two_phase" if wide and sparse.accepts(compressor) else "allgather"
-    return "two_phase"
+    return "allgather" if world_size == 2 else "two_phase"
 
 
 def check_algorithm(compressor: Compressor, algorithm: str | None, world_size: int | None = None) -> str:
