@@ -472,7 +472,7 @@ class HookState:
         """(worker, the last step of a plan's trial) Every rank's time of its steps combined (the
         slowest); the next plan to try, or the faster kept (adopted from the next step)."""
         trial = self._trial
-        (worst,) = _ranks_max(q, [seconds])  # unknown on a rank: inf there
+        (worst,) = _ranks_max(q, [seconds])
         trial["seconds"].append(worst)
         plans, times = trial["plans"], trial["seconds"]
         if len(times) < len(plans):
@@ -978,10 +978,11 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         state._switch(step)
     since = step - state._adopted_at
     if state._trial is not None:
-        if since == state.trial_steps:
-            # The plan's steps but the first (its switch), timed up to this one's start.
-            begun = [s for s in range(state._adopted_at + 1, step) if s in state._marks]
-            seconds = (state._marks[step] - state._marks[begun[0]]) / (step - begun[0]) if begun else math.inf
+        # The plan's steps but the first (its switch), timed up to this one's start; a run
+        # resumed in the middle of a turn times the steps it ran (every rank resumed alike).
+        begun = [s for s in range(state._adopted_at + 1, step) if s in state._marks]
+        if since >= state.trial_steps and begun:
+            seconds = (state._marks[step] - state._marks[begun[0]]) / (step - begun[0])
             state._pending = q.submit(
                 functools.partial(state._judge, q, seconds), buffer.device, name="gradcomp.trial"
             )

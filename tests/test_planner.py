@@ -932,6 +932,16 @@ def _trial_body(rank, world_size, steps, slow):
     state.flush()
     resumed = ddp.HookState("auto", allow=("int8", "int4"), profile=NEAR)
     resumed.load_state_dict(saved)
+    saved_trial = [[p.compressor for p in plan] for plan in resumed._trial["plans"]]
+    saved_seconds = list(resumed._trial["seconds"])
+    # Resumed from step 11 in a fresh model: the trial goes on from the steps it runs.
+    again = DistributedDataParallel(torch.nn.Linear(128, 512))
+    again.register_comm_hook(resumed, ddp.hook)
+    for _ in range(11, steps):
+        again(x).square().mean().backward()
+        if rank == 1 and resumed.plan[0].compressor == slow:
+            time.sleep(0.25)
+    resumed.flush()
     final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     finals = [torch.empty_like(final) for _ in range(world_size)]
     dist.all_gather(finals, final)
@@ -941,8 +951,9 @@ def _trial_body(rank, world_size, steps, slow):
         hows=[s.compressors[0] for s in state.stats],
         trials=trials,
         plan=[(p.compressor, p.algorithm) for p in state.plan],
-        saved_trial=[[p.compressor for p in plan] for plan in resumed._trial["plans"]],
-        saved_seconds=resumed._trial["seconds"],
+        saved_trial=saved_trial,
+        saved_seconds=saved_seconds,
+        resumed=([s.compressors[0] for s in resumed.stats], [t["kept"] for t in resumed.trials]),
         replicas_equal=all(torch.equal(finals[0], f) for f in finals),
     )
 
@@ -964,6 +975,8 @@ def test_auto_tries_a_close_contender_and_keeps_the_faster(slow):
     assert result["plan"] == [(kept, "allgather")] and result["replicas_equal"]
     # A checkpoint in int4's turn holds the trial: int8's time, int4's still to come.
     assert result["saved_trial"] == [["int8"], ["int4"]] and len(result["saved_seconds"]) == 1
+    # Resumed at step 11, it judged int4's turn at step 12 as well, from step 11's time.
+    assert result["resumed"] == (result["hows"][11:], [trial["kept"]])
     assert result["trials"][0] == result["trials"][1]  # every rank kept the same
 
 
