@@ -221,9 +221,11 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
     optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
     steps, warmup = settings["steps"], settings["warmup_steps"]
     if run.get("name") == "auto" and state.trial_steps:
-        # Where the model cannot tell its plan from another, auto tries both (two turns of
-        # trial_steps + 1 steps after the plan): untimed, like the warm-up.
-        steps, warmup = steps + 2 * (state.trial_steps + 1), warmup + 2 * (state.trial_steps + 1)
+        # Where the model cannot tell its plan from another, auto tries both: from the step
+        # that plans (2 here), two turns of trial_steps + 1 steps and the switch back to the
+        # first plan's if it won. Untimed, like the warm-up.
+        extra = 2 * (state.trial_steps + 1) + 2
+        steps, warmup = steps + extra, warmup + extra
     progress = common.Progress(steps, settings["progress"] if rank == 0 else False)
     seconds, psgd_before = [], 0
     for step in range(steps):
@@ -488,11 +490,11 @@ def add_predictions(records: list[dict], world_size: int) -> None:
         if record["failed"] or record["kind"] not in ("dense", "gradcomp") or record["name"] == "auto":
             continue
         options = {k: v for k, v in record["options"].items() if k not in common.HOOK_OPTIONS}
-        algorithm = record["options"].get("algorithm")
+        algorithm, inter = record["options"].get("algorithm"), record["options"].get("inter_algorithm")
         try:
             compressor = gradcomp.get_compressor(record["name"] or "none", **options)
             seconds = sum(
-                planner.predict(compressor, n, world_size, profile, algorithm).seconds
+                planner.predict(compressor, n, world_size, profile, algorithm, inter).seconds
                 for n in record["bucket_numels"]
             )
         except (KeyError, ValueError):  # not measured in the profile, or not modelled

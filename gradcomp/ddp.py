@@ -58,6 +58,8 @@ _DENSE = NoCompression()
 AUTO_MIN_WARMUP = 2
 # "auto" keeps this many steps of bucket timings (for the drift check).
 _TIMED_STEPS = 256
+DEFAULT_TRIAL_STEPS = 4
+MAX_TRIAL_STEPS = 100  # a trial's turn: well within the steps whose times are kept
 
 
 @dataclasses.dataclass
@@ -145,7 +147,7 @@ class HookState:
             check this many steps after the plan (None: only on drift).
         trial_steps: with ``"auto"``: where the model cannot tell the plan from
             another (:func:`gradcomp.planner.contender`), how many steps each
-            runs before the faster is kept (at least 2; 0: never try).
+            runs before the faster is kept (default 4; 2 to 100, or 0: never try).
 
     With ``compressor="auto"`` the hook reduces its first ``warmup_steps``
     steps (at least 2) dense; at the first step after them it measures the
@@ -164,22 +166,24 @@ class HookState:
     prediction: the observed/predicted ratio over the window (the median of
     its steps) against the ratio of the first window after the plan, which
     calibrates what the model leaves out (overlap with the backward pass).
-
-    The model misses by up to a quarter on some links and devices, so where
-    another choice is predicted within :data:`gradcomp.planner.MARGIN` of a
-    plan's (either way), the plan is tried against it before it is kept: each
-    runs ``trial_steps`` steps and one more (the step its turn is judged in);
-    its steps but the first (which may fold residuals in) are timed on every
-    rank, the slowest rank's time counts, and the faster plan stays
-    (:attr:`trials` records each trial: its plans, their milliseconds a step,
-    which one was kept). Checks resume after it; a checkpoint keeps a trial
-    under way, and a resumed run times the turn it is in from its own steps.
     Past ``drift``, after ``replan_every`` steps, or when :meth:`replan` was
     called on any rank, the check measures again and plans afresh; the new
     plan applies from the next step. A bucket whose compressor or algorithm
     changes carries its residuals: into the next compressor's error
     feedback, or folded into the bucket's next dense reduction, so nothing
     compression held back is lost.
+
+    The model misses by up to a quarter on some links and devices, so where
+    another choice is predicted within :data:`gradcomp.planner.MARGIN` of a
+    plan's (either way), the plan is tried against it before it is kept: each
+    runs ``trial_steps`` steps and one more (the step its turn is judged in;
+    the first plan's turn also has the step that planned); its steps but the
+    first (which may fold residuals in) are timed on every rank (on GPUs the
+    host waits for the device at each step's start, during a trial only), the
+    slowest rank's time counts, and the faster plan stays (:attr:`trials`
+    records each trial: its plans, their milliseconds a step, which one was
+    kept). Checks wait until it ends; a checkpoint keeps a trial under way,
+    and a resumed run times the turn it is in from its steps after its first.
 
     Example:
         >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
@@ -251,12 +255,13 @@ class HookState:
         check_every: int = 10,
         drift: float | None = 0.5,
         replan_every: int | None = None,
-        trial_steps: int = 4,
+        trial_steps: int | None = None,
     ):
         auto = is_auto(compressor)
         self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
-        if not auto and (allow is not None or profile is not None or replan_every is not None):
-            raise ValueError("allow, profile and replan_every are options of compressor='auto'")
+        if not auto and (allow, profile, replan_every, trial_steps) != (None,) * 4:
+            raise ValueError("allow, profile, replan_every and trial_steps are options of compressor='auto'")
+        trial_steps = DEFAULT_TRIAL_STEPS if trial_steps is None else trial_steps
         for name, value in (("check_every", check_every), ("replan_every", replan_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -265,8 +270,10 @@ class HookState:
         if drift is not None and (type(drift) not in (int, float) or drift <= 0):
             raise ValueError(f"drift must be a positive fraction or None, got {drift!r}")
         valid_trial = isinstance(trial_steps, int) and not isinstance(trial_steps, bool)
-        if not valid_trial or trial_steps < 0 or trial_steps == 1:
-            raise ValueError(f"trial_steps must be 0 (no trials) or at least 2, got {trial_steps!r}")
+        if not valid_trial or trial_steps < 0 or trial_steps == 1 or trial_steps > MAX_TRIAL_STEPS:
+            raise ValueError(
+                f"trial_steps must be 0 (no trials) or 2 to {MAX_TRIAL_STEPS}, got {trial_steps!r}"
+            )
         self.check_every, self.drift, self.replan_every = check_every, drift, replan_every
         self.trial_steps = trial_steps
         if auto:
@@ -369,6 +376,8 @@ class HookState:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output; the next step continues the saved run exactly."""
+        if self._pending is not None:
+            self._pending.wait()  # a check or trial job of this state's own run: done before it is replaced
         if state["settings"] != self._settings():
             raise ValueError(
                 f"checkpoint was saved with compressor settings {state['settings']}, "
@@ -453,7 +462,13 @@ class HookState:
         plan = planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
         self._contender = None
         if self.trial_steps:
-            self._contender = planner.contender(sizes, q.world_size, profile, plan, self.allow)
+            other = planner.contender(sizes, q.world_size, profile, plan, self.allow)
+            # Buckets the hook reduces dense whatever the plan says cannot tell two plans apart.
+            if other is not None:
+                other = [
+                    p if n >= self.min_numel else mine for n, p, mine in zip(sizes, other, plan, strict=True)
+                ]
+                self._contender = None if other == plan else other
         return plan
 
     def _begin_trial(self, plan: list) -> None:
@@ -599,11 +614,12 @@ class HookState:
 
     def __getstate__(self):
         # Process groups cannot be pickled; like torch's hooks, drop it (and a pending check's
-        # future, and the marks of when buckets were ready: CUDA events on GPUs).
+        # future, the marks of when buckets were ready: CUDA events on GPUs, and of when steps began).
         if self._pending is not None:
             self._pending.wait()
-        dropped = ("process_group", "_pending", "_ready")
-        return {name: getattr(self, name) for name in self.__slots__ if name not in dropped} | {"_ready": {}}
+        dropped = ("process_group", "_pending", "_ready", "_marks")
+        kept = {name: getattr(self, name) for name in self.__slots__ if name not in dropped}
+        return kept | {"_ready": {}, "_marks": {}}  # host clock readings mean nothing elsewhere
 
     def __setstate__(self, state):
         for name, value in state.items():
@@ -632,6 +648,8 @@ class HookState:
         inter = inter if algorithm == HIERARCHICAL else None
         if self.auto:
             self._carry(index, tensor, (compressor, algorithm, inter), q)
+        elif index not in self._last:
+            self._fold_owners_kept(index, tensor, (compressor, algorithm, inter), q)
         job = Job(
             tensor,
             compressor,
@@ -689,6 +707,24 @@ class HookState:
             sender = self.feedback.pop(key)
             if sender is not None:
                 shard.add_(sender[: shard.numel()].to(flat.dtype), alpha=scale)
+
+    def _fold_owners_kept(self, index: int, tensor: torch.Tensor, now: tuple, q) -> None:
+        """(worker) A bucket's first reduction in this process (not ``"auto"``): an owner's
+        residual of a two_phase it no longer runs (a checkpoint of a run that reduced it so:
+        two_phase was also the default on 2 ranks and between 2 nodes) goes into its input,
+        as :meth:`_carry` folds it when auto's plan changes."""
+        self._last[index] = now
+        compressor, algorithm, inter = now
+        hierarchical = algorithm == HIERARCHICAL
+        if compressor.name == "none" or (inter if hierarchical else algorithm) == "two_phase":
+            return
+        key = shard_key(index, hierarchy_for(q, self.node_size)) if hierarchical else index
+        if ("two_phase", key) not in self.feedback:
+            return
+        self._last[index] = (
+            (compressor, HIERARCHICAL, "two_phase") if hierarchical else (compressor, "two_phase", None)
+        )
+        self._carry(index, tensor, now, q)
 
     def _described_choice(self, choice: tuple) -> tuple:
         return (self._label(choice[0]), *choice[1:])
@@ -968,6 +1004,10 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         return
     # The first bucket of a step after the plan: the step boundary, where plans change.
     state._hooked_step = step
+    if state._trial is not None and streams.uses_streams(buffer.device):
+        # During a trial only: the host waits for the device at each step's start, so that the
+        # turns are timed by the device's steps, not by how fast the host queues them.
+        torch.cuda.synchronize(buffer.device)
     state._marks[step] = time.perf_counter()
     for old in [s for s in state._marks if s < step - _TIMED_STEPS]:
         del state._marks[old]
@@ -979,8 +1019,10 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
     since = step - state._adopted_at
     if state._trial is not None:
         # The plan's steps but the first (its switch), timed up to this one's start; a run
-        # resumed in the middle of a turn times the steps it ran (every rank resumed alike).
-        begun = [s for s in range(state._adopted_at + 1, step) if s in state._marks]
+        # resumed in the middle of a turn times the steps it ran after its first (DDP's first
+        # iteration rebuilds its buckets), one at least (every rank resumed alike).
+        first = max(state._adopted_at, min(state._marks))
+        begun = [s for s in range(first + 1, step) if s in state._marks]
         if since >= state.trial_steps and begun:
             seconds = (state._marks[step] - state._marks[begun[0]]) / (step - begun[0])
             state._pending = q.submit(

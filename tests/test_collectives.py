@@ -497,13 +497,16 @@ def _named_compressor_keeps_its_residual(rank: int, world_size: int) -> None:
     assert len(_DEFAULT_FEEDBACK) == 1
     ((memory, counters),) = _DEFAULT_FEEDBACK.values()
     key = gradcomp.collectives.key_of("g")
-    assert set(memory.keys()) == {key, ("two_phase", key)} and counters["g"] == 5
+    # On 2 ranks int8 is gathered (no owner's residual), on more it goes two_phase.
+    owners = {("two_phase", key)} if world_size > 2 else set()
+    assert set(memory.keys()) == {key} | owners and counters["g"] == 5
     assert memory.get(key).abs().sum() > 0
 
 
 @pytest.mark.slow
-def test_compressor_by_name_reuses_its_residual():
-    run_ranks(_named_compressor_keeps_its_residual, 2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compressor_by_name_reuses_its_residual(world_size):
+    run_ranks(_named_compressor_keeps_its_residual, world_size)
 
 
 def _segmented_two_phase_matches_one_segment(rank: int, world_size: int) -> None:

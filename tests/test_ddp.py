@@ -17,6 +17,7 @@ from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.buckets import BucketLayouts
+from gradcomp.collectives import owner_ranges
 from gradcomp.ddp import HookState, hook, register
 
 BUCKET_MB = 0.02  # one bucket per hidden layer of the model below
@@ -409,3 +410,85 @@ def test_residuals_follow_parameters_when_buckets_are_rebuilt():
 def test_hook_signature_is_accepted_by_ddp():
     # DDP checks the hook's annotations; they must be real objects, not strings.
     assert hook.__annotations__["bucket"] is dist.GradBucket
+
+
+def _resumed_without_two_phase(rank: int, world_size: int) -> dict:
+    # A run on 2 ranks whose int8 went two_phase (the default there before), resumed where
+    # the default is allgather: the owners' residuals must reach the next reductions.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(128, 64)
+    model = DDP(net)
+    state = register(model, "int8", algorithm="two_phase")
+    generator = torch.Generator().manual_seed(rank)
+    x, c = torch.randn(16, 128, generator=generator), torch.randn(16, 64, generator=generator)
+    grads = {"weight": (c.T @ x).double(), "bias": c.sum(0).double()}  # the same every step
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= world_size
+
+    def train(model, steps):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            (model(x) * c).sum().backward()
+            optimizer.step()
+
+    def in_bucket_order(state, module, values) -> torch.Tensor:
+        (layout,) = state.buckets.state_dict()["layouts"].values()
+        named = {state.buckets._numbers[id(p)]: values[name] for name, p in module.named_parameters()}
+        return torch.cat([named[number].reshape(-1) for number, _ in layout])
+
+    def held(state) -> torch.Tensor:
+        # What compression holds back, in the bucket's units: the senders' mean and the owners'.
+        total = state.feedback.get(0).double() / world_size
+        owner = state.feedback.get(("two_phase", 0))
+        if owner is not None:
+            at = 0
+            for begin, end in owner_ranges(
+                state.compressor, "two_phase", total.numel(), world_size, rank, torch.device("cpu")
+            ):
+                total[begin:end] += owner[at : at + end - begin].double()
+                at += end - begin
+        dist.all_reduce(total)
+        return total
+
+    train(model, 3)  # DDP rebuilds its buckets after the first: the owners' restart there
+    state.flush()
+    saved = state.state_dict()
+    before = {name: p.detach().double().clone() for name, p in net.named_parameters()}
+    held_before = held(state)
+    # A new process's model, from the saved parameters.
+    net = torch.nn.Linear(128, 64)
+    net.load_state_dict(model.module.state_dict())
+    again = DDP(net)
+    resumed = HookState("int8")
+    resumed.load_state_dict(saved)
+    again.register_comm_hook(resumed, hook)
+    train(again, 2)
+    resumed.flush()
+    moved = {name: before[name] - p.detach().double() for name, p in net.named_parameters()}
+    # Linear loss: the 2 steps moved the parameters by 2 gradients plus what was held back
+    # before them, less what is held back now.
+    expected = 0.5 * (2 * in_bucket_order(resumed, net, grads) + held_before - held(resumed))
+    return dict(
+        owner_saved=("two_phase", 0) in _feedback_keys(saved["feedback"]),
+        keys=resumed.feedback.keys(),
+        moved=in_bucket_order(resumed, net, moved),
+        expected=expected,
+        algorithm=resumed.stats[-1].compressors[0],
+    )
+
+
+def _feedback_keys(saved_feedback) -> list:
+    memory = gradcomp.ErrorFeedback()
+    memory.load_state_dict(saved_feedback)
+    return memory.keys()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_folds_in_the_owners_residuals_of_an_algorithm_it_no_longer_runs():
+    result = run_ranks(_resumed_without_two_phase, 2)
+    assert result["owner_saved"] and result["algorithm"] == "int8 allgather"
+    assert all(not isinstance(k, tuple) for k in result["keys"])  # the owner's is folded in
+    # Nothing lost: the owners' residuals went into the resumed run's reductions.
+    torch.testing.assert_close(result["moved"], result["expected"], rtol=1e-5, atol=1e-5)

@@ -975,18 +975,44 @@ def test_auto_tries_a_close_contender_and_keeps_the_faster(slow):
     assert result["plan"] == [(kept, "allgather")] and result["replicas_equal"]
     # A checkpoint in int4's turn holds the trial: int8's time, int4's still to come.
     assert result["saved_trial"] == [["int8"], ["int4"]] and len(result["saved_seconds"]) == 1
-    # Resumed at step 11, it judged int4's turn at step 12 as well, from step 11's time.
-    assert result["resumed"] == (result["hows"][11:], [trial["kept"]])
+    # Resumed at step 11 (DDP's first iteration there, untimed), it judged int4's turn a
+    # step later, from step 12's time, and kept the same.
+    assert result["resumed"] == (["int4 allgather"] * 3 + [f"{kept} allgather"], [trial["kept"]])
     assert result["trials"][0] == result["trials"][1]  # every rank kept the same
+
+
+def _no_trial_below_min_numel(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(128, 512)
+    model = DistributedDataParallel(net)
+    # Every bucket below min_numel goes dense whatever the plan: nothing to try.
+    state = ddp.register(model, "auto", allow=("int8", "int4"), profile=NEAR, min_numel=10**9)
+    for _ in range(8):
+        model(torch.randn(4, 128)).sum().backward()
+    state.flush()
+    return state.plan[0].compressor, state.trials, state._trial, {s.compressors[0] for s in state.stats}
+
+
+@pytest.mark.slow
+def test_no_trial_where_the_plans_differ_only_in_buckets_reduced_dense():
+    planned, trials, under_way, hows = spawn.run_ranks(_no_trial_below_min_numel, 2, timeout=120)
+    assert planned == "int8" and trials == [] and under_way is None and hows == {"none dense"}
 
 
 def test_trial_steps_is_checked():
     from gradcomp import ddp
 
-    for bad in (1, -1, True, 2.0):
+    for bad in (1, -1, True, 2.0, ddp.MAX_TRIAL_STEPS + 1):
         with pytest.raises(ValueError, match="trial_steps"):
             ddp.HookState("auto", trial_steps=bad)
     assert ddp.HookState("auto", trial_steps=0).trial_steps == 0
+    assert ddp.HookState("auto").trial_steps == ddp.DEFAULT_TRIAL_STEPS
+    with pytest.raises(ValueError, match="options of compressor='auto'"):
+        ddp.HookState("int8", trial_steps=4)
 
 
 def _drift_body(rank, world_size, steps, slow_from):

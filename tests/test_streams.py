@@ -281,7 +281,8 @@ def _auto_on_a_gpu(rank: int, world_size: int, steps: int, **options):
 
 
 def _auto_times_buckets_on_a_gpu(rank: int, world_size: int) -> list[float]:
-    return [p.observed_seconds for p in _auto_on_a_gpu(rank, world_size, 9).plan]
+    # No trial: its steps would hold the checks back past these 9.
+    return [p.observed_seconds for p in _auto_on_a_gpu(rank, world_size, 9, trial_steps=0).plan]
 
 
 @pytest.mark.gpu
@@ -315,8 +316,9 @@ def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
 
     line = planner.Linear(50e-6, 1e9)
     slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
-    state = _auto_on_a_gpu(rank, world_size, 6, allow=("int8",), profile=slow)
-    mine = ([(p.compressor, p.how) for p in state.plan], state._offsets)
+    # 14 steps: the plan at step 2, then a trial of int8's two algorithms (predicted alike) to step 13.
+    state = _auto_on_a_gpu(rank, world_size, 14, allow=("int8",), profile=slow)
+    mine = ([(p.compressor, p.how) for p in state.plan], state._offsets, state.trials)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -325,8 +327,13 @@ def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ranks_agree_on_a_plan_made_from_cuda_events():
-    # The ready marks are real events on each rank's backward stream; the plan and offsets agree.
+    # The ready marks are real events on each rank's backward stream; the plan and offsets
+    # agree, and so does the trial timed by device-synchronized steps.
     everyone = run_ranks(_ranks_agree_on_a_gpu_plan, 2)
     assert everyone[0] == everyone[1] and everyone[0][0]
+    (trial,) = everyone[0][2]
+    assert all(0 < ms < 60_000 for ms in trial["step_ms"]) and everyone[0][0] == [
+        (plan.split()[0], plan.split()[1]) for plan in trial["plans"][trial["kept"]]
+    ]
     offsets = everyone[0][1]
     assert offsets is None or (max(offsets) == 0.0 and len(offsets) == len(everyone[0][0]))
