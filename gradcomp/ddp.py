@@ -497,7 +497,7 @@ class HookState:
         self._trial = None
         self.trials.append(
             {
-                "plans": [[f"{p.compressor} {p.how}" for p in plan] for plan in plans],
+                "plans": [_picks(plan) for plan in plans],
                 "step_ms": [1e3 * t for t in times],
                 "kept": best,
             }
@@ -789,8 +789,13 @@ def _loaded_plan(saved: list) -> list:
     return [planner.Prediction(c, a, n, *(rest or (0, 0.0, 0.0))) for n, c, a, *rest in saved]
 
 
+def _picks(plan: list) -> list[str]:
+    """Each bucket's compressor and algorithm in words (``int8 two_phase``)."""
+    return [f"{p.compressor} {p.how}" for p in plan]
+
+
 def _choices(plan: list) -> str:
-    return ", ".join(f"{p.compressor} {p.how}" for p in plan)
+    return ", ".join(_picks(plan))
 
 
 def _described(plan: list) -> str:
@@ -1009,8 +1014,7 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         # turns are timed by the device's steps, not by how fast the host queues them.
         torch.cuda.synchronize(buffer.device)
     state._marks[step] = time.perf_counter()
-    for old in [s for s in state._marks if s < step - _TIMED_STEPS]:
-        del state._marks[old]
+    state._marks.pop(step - _TIMED_STEPS, None)  # steps come one by one: one mark ages out
     if state._pending is not None:
         state._pending.wait()  # the check of the step before (what it measures takes a while)
         state._pending = None
