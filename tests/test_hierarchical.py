@@ -49,12 +49,19 @@ def _matches_dense(rank: int, world_size: int, shared: bool) -> None:
                         assert error <= bound, f"{where}: relative error {error:.4f} > {bound}"
                     # Bytes: an all-to-all and an all-gather of shards inside the node; between
                     # nodes, the flat all-reduce of this rank's shard (in fp32 for 16-bit tensors).
+                    # Sparse payloads gathered between nodes cross the node's shared memory as
+                    # every node's payload of the shard (width: a payload's bytes), not shards.
                     shard = -(-numel // node_size)
-                    assert stats.bytes_sent_intra == 2 * (node_size - 1) * shard * x.element_size(), where
+                    shard_bytes = (node_size - 1) * shard * x.element_size()
+                    inner = gradcomp.collectives.default_algorithm(compressor, nodes)
+                    if shared and nodes > 1 and node_size > 1 and compressor.sparse and inner == "allgather":
+                        width = stats.bytes_sent_inter // (nodes - 1)
+                        assert stats.bytes_sent_intra == shard_bytes + (node_size - 1) * nodes * width, where
+                    else:
+                        assert stats.bytes_sent_intra == 2 * shard_bytes, where
                     if nodes == 1:
                         assert stats.bytes_sent_inter == 0 and stats.inter_algorithm == "", where
                     else:
-                        inner = gradcomp.collectives.default_algorithm(compressor, nodes)
                         assert stats.inter_algorithm == inner, where
                         if local == 0 and rank == 0:  # the scale model counts the inner rank 0's bytes
                             model = scale.cost(compressor, shard, nodes, inner, torch.float32)
@@ -68,6 +75,41 @@ def _matches_dense(rank: int, world_size: int, shared: bool) -> None:
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_memory", "collectives"])
 def test_hierarchical_matches_the_dense_average_on_every_layout(shared):
     run_ranks(_matches_dense, 4, shared)
+
+
+def _shared_memory_matches_collectives(rank: int, world_size: int) -> None:
+    # The node's stages through shared memory (result summed in the result row; sparse
+    # payloads shared and decoded by every rank) give the collectives' bits, residuals included.
+    hierarchy = gradcomp.collectives.hierarchy_for(queue_for(None), 2)
+    for name in ("none", "int8", "topk", "randk"):  # randk: summed by a dense all-reduce
+        for dtype in (torch.float32, torch.bfloat16):
+            for numel in (1000, 4097):  # 4097: the last shard is one element short
+                results, memories = {}, {}
+                for shared in (True, False):
+                    hierarchy.shared_memory = shared
+                    memory = memories[shared] = gradcomp.ErrorFeedback()
+                    for step in range(2):
+                        result = _input(rank, numel, dtype, salt=step)
+                        gradcomp.all_reduce(
+                            result,
+                            name,
+                            algorithm="hierarchical",
+                            node_size=2,
+                            feedback=memory,
+                            name="g",
+                            step=step,
+                        )
+                    results[shared] = result
+                where = f"{name}/{dtype}/{numel}"
+                assert torch.equal(results[True], results[False]) and same_on_all_ranks(results[True]), where
+                for key in memories[True].keys():
+                    assert torch.equal(memories[True].get(key), memories[False].get(key)), where
+    hierarchy.shared_memory = True
+    assert any(key[0] == "payloads" for key in hierarchy.areas)  # sparse payloads went through it
+
+
+def test_shared_memory_gives_the_collectives_bits():
+    run_ranks(_shared_memory_matches_collectives, 4)
 
 
 def _feedback_conserved(rank: int, world_size: int, inter_algorithm: str) -> None:

@@ -95,6 +95,9 @@ class Job:
         shapes: the shapes of the tensors laid end to end in ``tensor``
             (a DDP bucket's parameters), for a low-rank compressor; None:
             the tensor's own shape.
+        gathered: a list: an ``allgather`` leaves its gathered payloads there,
+            ``(rows, meta)`` a segment, for the caller to decode (the
+            hierarchical algorithm's node stage), instead of decoding them.
     """
 
     tensor: torch.Tensor
@@ -108,6 +111,7 @@ class Job:
     hierarchy: Hierarchy | None = None
     inter_algorithm: str | None = None
     shapes: tuple[tuple[int, ...], ...] | None = None
+    gathered: list | None = None
 
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
@@ -245,5 +249,8 @@ def _allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSt
     for gather, gathered, meta, start, end in gathers:
         with exchange():
             gather.wait()
+        if job.gathered is not None:
+            job.gathered.append((gathered, meta))
+            continue
         with Timer(stats):
             job.compressor.decompress_sum(gathered, flat.dtype, flat[start:end], meta=meta, divisor=divisor)

@@ -14,7 +14,9 @@ traffic between nodes:
    from the compressor and the number of nodes), with error feedback on the
    shard: the node stage is exact, so this is the only residual;
 3. inside each node, an all-gather of the shards (through shared memory:
-   each rank writes its shard into the result row and reads the row).
+   each rank writes its shard into the result row and reads the row). A
+   sparse result gathered between nodes (Top-K, random-K) is shared as
+   its payloads instead: every rank decodes every shard's into the tensor.
 
 Every rank ends with the same bits: each shard is computed by one rank of a
 node and identical across nodes (the inner algorithms give every rank the
@@ -226,23 +228,41 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
     elif area is not None:
         # Through the node's shared memory: each rank writes its tensor but its
         # own shard into its row, sums its shard of every rank's (in rank
-        # order), writes the result into the result row and reads the others'.
+        # order) into the result row (a private fp32 shard for 16-bit
+        # tensors), reduces it between nodes there and reads the others'.
         rows, rank, own = area.rows, intra.rank, max(0, min(hi, numel) - lo)
         before = min(lo, numel)  # elements ahead of the own shard (the last shards may be padding)
         rows[rank, :before].copy_(flat[:before])
         rows[rank, hi:numel].copy_(flat[hi:])
         with exchange():
             dist.barrier(group=intra.group)
-        shard = area.shard
+        # Nobody reads the result row before the second barrier, and a rank
+        # writes its next job's shard there only after every rank has read
+        # this one's (the next job's first barrier). Sparse payloads gathered
+        # between nodes are shared and decoded by every rank instead.
+        shard = area.shard if area.shard is not None else rows[size, lo:hi]
         with Timer(stats):
-            for j in range(size):
-                part = flat[lo : lo + own] if j == rank else rows[j, lo : lo + own]
-                shard[:own].copy_(part) if j == 0 else shard[:own].add_(part)
+            parts = [flat[lo : lo + own] if j == rank else rows[j, lo : lo + own] for j in range(size)]
+            if shard.dtype == flat.dtype:
+                torch.add(parts[0], parts[1], out=shard[:own])
+            else:
+                shard[:own].copy_(parts[0]).add_(parts[1])
+            for part in parts[2:]:
+                shard[:own].add_(part)
             shard[own:].zero_()
             if job.op == "avg":
                 shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
-        _between_nodes(job, shard, hierarchy, stats)
-        rows[size, lo:hi].copy_(shard)
+        gathered = _between_nodes(job, shard, hierarchy, stats, undecoded=_sparse_gather(job, hierarchy))
+        if gathered is not None and _decode_every_shard(job, flat, shard, gathered, hierarchy, stats):
+            stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
+            return
+        if gathered is not None:  # no shared memory for the payloads: decode here after all
+            rows_in, meta = gathered
+            divisor = hierarchy.inter.world_size if job.op == "avg" else 1
+            with Timer(stats):
+                job.compressor.decompress_sum(rows_in, shard.dtype, shard, meta=meta, divisor=divisor)
+        if area.shard is not None:
+            rows[size, lo:hi].copy_(shard)
         flat[lo : lo + own].copy_(shard[:own])
         with exchange():
             dist.barrier(group=intra.group)
@@ -282,29 +302,107 @@ def _through_collectives(
         flat.copy_(padded[:numel])
 
 
-def _between_nodes(job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> None:
-    """The compressed all-reduce of this rank's shard among the ranks with its local rank."""
-    from gradcomp.collectives.algorithms import Job, default_algorithm, job_steps
+def _inner_algorithm(job: Job, hierarchy: Hierarchy) -> str:
+    from gradcomp.collectives.algorithms import default_algorithm
+
+    return job.inter_algorithm or default_algorithm(job.compressor, hierarchy.inter.world_size)
+
+
+def _sparse_gather(job: Job, hierarchy: Hierarchy) -> bool:
+    """Whether the shard's payloads go between nodes by all-gather and are sparse: then
+    the node can share the gathered payloads instead of the decoded dense shards."""
+    return (
+        job.compressor.sparse
+        and hierarchy.inter.world_size > 1
+        and _inner_algorithm(job, hierarchy) == "allgather"
+    )
+
+
+def _between_nodes(
+    job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats, undecoded: bool = False
+) -> tuple[torch.Tensor, dict] | None:
+    """The compressed all-reduce of this rank's shard among the ranks with its local rank.
+
+    With ``undecoded`` (an all-gather between nodes), the shard keeps its input and the
+    gathered payloads are returned undecoded, ``(rows, meta)``; else None."""
+    from gradcomp.collectives.algorithms import Job, job_steps
     from gradcomp.collectives.worker import drive
 
     inter = hierarchy.inter
     if inter.world_size == 1:
-        return
+        return None
     inner = Job(
         shard,
         job.compressor,
         job.op,
-        job.inter_algorithm or default_algorithm(job.compressor, inter.world_size),
+        _inner_algorithm(job, hierarchy),
         job.feedback,
         key=shard_key(job.key, hierarchy),
         step=job.step,
         measure_error=job.measure_error,
+        gathered=[] if undecoded else None,
     )
     reduced = drive(job_steps(inner, inter))
     stats.bytes_sent_inter += reduced.bytes_sent
     stats.compress_seconds += reduced.compress_seconds
     stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
     stats.inter_algorithm = reduced.algorithm
+    if not undecoded:
+        return None
+    (gathered,) = inner.gathered  # sparse payloads: one segment
+    return gathered
+
+
+def _decode_every_shard(
+    job: Job,
+    flat: torch.Tensor,
+    shard: torch.Tensor,
+    gathered: tuple[torch.Tensor, dict],
+    hierarchy: Hierarchy,
+    stats: ReduceStats,
+) -> bool:
+    """The node's all-gather of a sparse result, in shared memory: each rank writes its
+    shard's gathered payloads (k indices and values a node) and decodes every shard's
+    straight into the tensor, as the shard's rank would (the same bits on every rank):
+    a few k entries a shard cross the node instead of dense shards, and the dense
+    result is written once. False, on every rank of the node, where it cannot map
+    the memory for them (the caller decodes its shard and gathers it densely).
+
+    No barrier after the decoding: a rank writes these payloads, or any shard into
+    the result row (``shard`` here for 32- and 64-bit tensors, scratch now), only
+    after its next job's first barrier, when every rank has decoded this job's."""
+    intra, inter = hierarchy.intra, hierarchy.inter
+    rows_in, meta = gathered
+    nbytes = rows_in.numel()  # every node's payload of this shard
+    key = ("payloads", nbytes)
+    payloads = hierarchy.areas.get(key)
+    if payloads is None:
+        mapped = _map_shared(intra, intra.world_size * nbytes, torch.uint8)
+        if mapped is None:
+            hierarchy.shared_memory = False  # decided by every rank of the node alike
+            return False
+        payloads = hierarchy.areas[key] = mapped.view(intra.world_size, nbytes)
+    payloads[intra.rank].copy_(rows_in.view(-1))
+    stats.bytes_sent_intra = (intra.world_size - 1) * (shard.numel() * flat.element_size() + nbytes)
+    with exchange():
+        dist.barrier(group=intra.group)
+    divisor = inter.world_size if job.op == "avg" else 1
+    length, numel = shard.numel(), flat.numel()
+    with Timer(stats):
+        for j in range(intra.world_size):
+            start = j * length
+            own = max(0, min(start + length, numel) - start)
+            if own == 0:
+                continue
+            # The payloads index a whole shard in the summing dtype: a shorter last
+            # shard or a 16-bit tensor decodes into the scratch shard first.
+            direct = own == length and flat.dtype == shard.dtype
+            out = flat[start : start + own] if direct else shard
+            rows = payloads[j].view(inter.world_size, -1)
+            job.compressor.decompress_sum(rows, shard.dtype, out, meta=meta, divisor=divisor)
+            if not direct:
+                flat[start : start + own].copy_(shard[:own])
+    return True
 
 
 def shard_key(key: int, hierarchy: Hierarchy) -> int:
@@ -332,11 +430,12 @@ def node_stages_only(hierarchy: Hierarchy) -> Hierarchy:
 @dataclasses.dataclass
 class SharedArea:
     """A node's shared memory for tensors of one length and dtype: a row per
-    local rank and one for the result (``rows``), and this rank's shard in
-    the summing dtype (``shard``, private)."""
+    local rank and one for the result (``rows``), and for 16-bit tensors this
+    rank's shard in fp32 (``shard``, private; None for the others, whose
+    shard is summed in the result row)."""
 
     rows: torch.Tensor
-    shard: torch.Tensor
+    shard: torch.Tensor | None
 
 
 def _shared_area(hierarchy: Hierarchy, length: int, dtype: torch.dtype) -> SharedArea | None:
@@ -354,10 +453,9 @@ def _shared_area(hierarchy: Hierarchy, length: int, dtype: torch.dtype) -> Share
         if rows is None:
             hierarchy.shared_memory = False  # decided by every rank of the node alike
             return None
-        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        area = hierarchy.areas[key] = SharedArea(
-            rows.view(intra.world_size + 1, length), torch.empty(length // intra.world_size, dtype=wide)
-        )
+        narrow = dtype in (torch.float16, torch.bfloat16)
+        shard = torch.empty(length // intra.world_size, dtype=torch.float32) if narrow else None
+        area = hierarchy.areas[key] = SharedArea(rows.view(intra.world_size + 1, length), shard)
     return area
 
 
