@@ -411,6 +411,14 @@ class HookState:
         self.buckets.load_state_dict(state)
 
     @property
+    def ready_offsets(self) -> list[float] | None:
+        """auto: when each bucket was handed over in the step before the plan, in seconds
+        before the last one (that one: 0), the latest of every rank's, in reduction order:
+        the overlap with the backward pass the plan weighed. None before a plan, or where
+        they were not found (then the plan weighed none)."""
+        return None if self._offsets is None else list(self._offsets)
+
+    @property
     def auto(self) -> bool:
         """Whether this state chooses its compressors (``compressor="auto"``)."""
         return self.allow is not None

@@ -551,7 +551,7 @@ def _auto_body(rank, world_size, bandwidths, steps, resume_at):
         dense_bytes=ring_all_reduce_bytes(numel * 4, world_size),
         replicas_equal=all(torch.equal(finals[0], f) for f in finals),
         final=final,
-        offsets=state._offsets,
+        offsets=state.ready_offsets,
     )
     # Resume from the checkpoint taken after the plan: the same steps, bit for bit.
     net, model = build()
@@ -568,7 +568,7 @@ def _auto_body(rank, world_size, bandwidths, steps, resume_at):
     result["resumed_equal"] = torch.equal(
         torch.cat([p.detach().reshape(-1) for p in net.parameters()]), final
     )
-    result["resumed_offsets"] = state._offsets
+    result["resumed_offsets"] = state.ready_offsets
     return result
 
 
