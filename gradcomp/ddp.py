@@ -180,7 +180,8 @@ class HookState:
     the first plan's turn also has the step that planned); its steps but the
     first (which may fold residuals in) are timed on every rank (on GPUs the
     host waits for the device at each step's start, during a trial only), the
-    slowest rank's time counts, and the faster plan stays (:attr:`trials`
+    slowest rank's median step counts (a step the training loop stalls for its
+    own reasons does not), and the faster plan stays (:attr:`trials`
     records each trial: its plans, their milliseconds a step, which one was
     kept). Checks wait until it ends; a checkpoint keeps a trial under way,
     and a resumed run times the turn it is in from its steps after its first.
@@ -1036,7 +1037,11 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         first = max(state._adopted_at, min(state._marks))
         begun = [s for s in range(first + 1, step) if s in state._marks]
         if since >= state.trial_steps and begun:
-            seconds = (state._marks[step] - state._marks[begun[0]]) / (step - begun[0])
+            # The median step: one that stalls for a reason of its own (an evaluation or a
+            # checkpoint in the training loop) must not decide between the plans.
+            marks = state._marks
+            steps = [marks[s + 1] - marks[s] for s in begun if s + 1 in marks]
+            seconds = statistics.median(steps) if steps else (marks[step] - marks[begun[0]]) / (step - begun[0])
             state._pending = q.submit(
                 functools.partial(state._judge, q, seconds), buffer.device, name="gradcomp.trial"
             )
