@@ -1041,7 +1041,9 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
             # checkpoint in the training loop) must not decide between the plans.
             marks = state._marks
             steps = [marks[s + 1] - marks[s] for s in begun if s + 1 in marks]
-            seconds = statistics.median(steps) if steps else (marks[step] - marks[begun[0]]) / (step - begun[0])
+            seconds = (
+                statistics.median(steps) if steps else (marks[step] - marks[begun[0]]) / (step - begun[0])
+            )
             state._pending = q.submit(
                 functools.partial(state._judge, q, seconds), buffer.device, name="gradcomp.trial"
             )
