@@ -279,9 +279,9 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
             times = " vs ".join(f"{t:.0f}" for t in trial["step_ms"])
             kept = ("first", "second")[trial["kept"]]
             note += f" (tried {' against '.join(tried)}: {times} ms, kept the {kept})"
-        if state.plan:  # what the hook measured in this run, less what overlaps the backward pass
-            planned = 1e3 * exposed([p.seconds for p in state.plan], state.ready_offsets)
-            ready = state.ready_offsets
+        if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
+            planned = 1e3 * sum(p.seconds for p in state.plan)
+            ready = state.ready_offsets  # when the buckets were handed over, which the plan weighed
     return dict(
         run=run["label"],
         kind=run["kind"],
@@ -471,29 +471,19 @@ def derive(records: list[dict]) -> None:
             record["comm_speedup_vs_flat"] = common.ratio(reference, record["comm_ms"])
 
 
-def exposed(seconds: list[float], ready: list[float] | None) -> float:
-    """The communication a step's buckets (``seconds`` each, in reduction order) leave after
-    the backward pass, by the planner's overlap model, where ``ready`` (each bucket's seconds
-    before the last is handed over) fits them; else their sum."""
-    if not ready or len(ready) != len(seconds):
-        return sum(seconds)
-    return planner.exposed_seconds(ready, seconds)
-
-
 def add_predictions(records: list[dict], world_size: int) -> None:
     """The planner's predicted communication a step of dense and each static gradcomp run,
     from the stored profile on this run's link (a limited loopback carries every rank's
     sends: each rank gets the limit over the ranks; unlimited: the profile's own link),
     against the observed (step minus compute-only). auto's is its plan's own (the link
-    and codecs the hook measured in the run), where it planned. Each is what the model
-    expects of a step beyond the backward pass: where auto found when the buckets were
-    ready, less what overlaps the backward pass (:func:`exposed`), as auto plans."""
-    ready = None
+    and codecs the hook measured in the run), where it planned. Each bucket's whole time:
+    on CPUs the reductions compete with the backward pass for the cores, and crediting
+    the overlap (``planner.exposed_seconds`` with auto's ``ready_offsets``) missed more
+    (bench/README.md)."""
     for record in records:
         if record.get("name") == "auto" and not math.isnan(record.get("planned_comm_ms", math.nan)):
             record["predicted_comm_ms"] = record["planned_comm_ms"]
             record["model_error"] = common.ratio(record["planned_comm_ms"], record["comm_ms"]) - 1
-            ready = record.get("ready_offsets")
     try:
         profile = planner.Profile.load()
     except FileNotFoundError:
@@ -508,12 +498,9 @@ def add_predictions(records: list[dict], world_size: int) -> None:
         algorithm, inter = record["options"].get("algorithm"), record["options"].get("inter_algorithm")
         try:
             compressor = gradcomp.get_compressor(record["name"] or "none", **options)
-            seconds = exposed(
-                [
-                    planner.predict(compressor, n, world_size, profile, algorithm, inter).seconds
-                    for n in record["bucket_numels"]
-                ],
-                ready,
+            seconds = sum(
+                planner.predict(compressor, n, world_size, profile, algorithm, inter).seconds
+                for n in record["bucket_numels"]
             )
         except (KeyError, ValueError):  # not measured in the profile, or not modelled
             continue
