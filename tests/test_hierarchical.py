@@ -81,9 +81,18 @@ def _shared_memory_matches_collectives(rank: int, world_size: int) -> None:
     # The node's stages through shared memory (result summed in the result row; sparse
     # payloads shared and decoded by every rank) give the collectives' bits, residuals included.
     hierarchy = gradcomp.collectives.hierarchy_for(queue_for(None), 2)
-    for name in ("none", "int8", "topk", "randk"):  # randk: summed by a dense all-reduce
+    # randk: summed by a dense all-reduce between nodes, or gathered (its indices follow
+    # each shard's seed: decoded by the shard's rank).
+    for name, inter in [
+        ("none", None),
+        ("int8", None),
+        ("topk", None),
+        ("randk", None),
+        ("randk", "allgather"),
+    ]:
         for dtype in (torch.float32, torch.bfloat16):
-            for numel in (1000, 4097):  # 4097: the last shard is one element short
+            # 1: rank 1's shard is all padding; 3: but for one element; 4097: the last is one short.
+            for numel in (1, 3, 1000, 4097):
                 results, memories = {}, {}
                 for shared in (True, False):
                     hierarchy.shared_memory = shared
@@ -95,12 +104,13 @@ def _shared_memory_matches_collectives(rank: int, world_size: int) -> None:
                             name,
                             algorithm="hierarchical",
                             node_size=2,
+                            inter_algorithm=inter,
                             feedback=memory,
                             name="g",
                             step=step,
                         )
                     results[shared] = result
-                where = f"{name}/{dtype}/{numel}"
+                where = f"{name}/{inter}/{dtype}/{numel}"
                 assert torch.equal(results[True], results[False]) and same_on_all_ranks(results[True]), where
                 for key in memories[True].keys():
                     assert torch.equal(memories[True].get(key), memories[False].get(key)), where

@@ -15,8 +15,8 @@ traffic between nodes:
    shard: the node stage is exact, so this is the only residual;
 3. inside each node, an all-gather of the shards (through shared memory:
    each rank writes its shard into the result row and reads the row). A
-   sparse result gathered between nodes (Top-K, random-K) is shared as
-   its payloads instead: every rank decodes every shard's into the tensor.
+   Top-K result gathered between nodes is shared as its payloads instead:
+   every rank decodes every shard's into the tensor.
 
 Every rank ends with the same bits: each shard is computed by one rank of a
 node and identical across nodes (the inner algorithms give every rank the
@@ -93,7 +93,8 @@ class Hierarchy:
     intra: Level
     inter: Level
     shared_memory: bool = True  # CPU tensors: the node's stages through shared memory, while it works
-    areas: dict = dataclasses.field(default_factory=dict)  # (length, dtype) -> SharedArea
+    # (length, dtype) -> SharedArea; ("payloads", nbytes) -> the node's rows of gathered payloads
+    areas: dict = dataclasses.field(default_factory=dict)
 
     @property
     def node_size(self) -> int:
@@ -309,10 +310,13 @@ def _inner_algorithm(job: Job, hierarchy: Hierarchy) -> str:
 
 
 def _sparse_gather(job: Job, hierarchy: Hierarchy) -> bool:
-    """Whether the shard's payloads go between nodes by all-gather and are sparse: then
-    the node can share the gathered payloads instead of the decoded dense shards."""
+    """Whether the shard's payloads go between nodes by all-gather and are sparse, carrying
+    their own indices: then the node can share the gathered payloads instead of the decoded
+    dense shards (any rank decodes any shard's). Not random-K's: their indices follow
+    each shard's own seed."""
     return (
         job.compressor.sparse
+        and not job.compressor.summable
         and hierarchy.inter.world_size > 1
         and _inner_algorithm(job, hierarchy) == "allgather"
     )
