@@ -433,26 +433,12 @@ def sign_decompress_sum(rows, block, numel, out, *, divisor=1):
 # ----------------------------------------------------------------------------- Top-K
 
 
-def _sample_threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int) -> torch.Tensor:
-    """:func:`gradcomp.ops.reference.sample_threshold`, gathering the samples by
-    ``index_select`` (on CPU a few times faster than indexing; the same values)."""
-    picks = reference.sample_positions(x.numel(), k, seed, x.device)
-    if picks is None:
-        return reference.sample_threshold(x, residual, k, seed)
-    sample = x.reshape(-1).index_select(0, picks).float()
-    if residual is not None:
-        sample = sample + residual.reshape(-1).index_select(0, picks).float()
-    magnitude = reference.selection_magnitude(sample)
-    threshold = reference.threshold_from_sample(magnitude, reference.CANDIDATE_REACH * k, x.numel())
-    return threshold.clamp_min(reference.SMALLEST_MAGNITUDE)
-
-
 def _sampled_top_k(x, residual, y, pending, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (ascending) and values in ``y`` of the sampling path's picks, before padding.
 
     ``y`` is ``x + residual``, or will be once ``pending`` is added."""
     # Read before the residual is touched: the same bits as y's samples.
-    threshold = _sample_threshold(x, residual, k, seed)
+    threshold = reference.sample_threshold(x, residual, k, seed)
     candidates = _reaching(y, threshold, pending)
     picked = y.index_select(0, candidates)  # on CPU much faster than y[candidates]
     magnitude = reference.selection_magnitude(picked)

@@ -489,10 +489,11 @@ def sample_threshold(x: torch.Tensor, residual: torch.Tensor | None, k: int, see
     formed); never below the smallest positive float. A 0-d fp32 tensor."""
     x = x.reshape(-1)
     picks = sample_positions(x.numel(), k, seed, x.device)
-    sample = x.float() if picks is None else x[picks].float()
+    # index_select: the values indexing gives, a few times faster on CPU.
+    sample = x.float() if picks is None else x.index_select(0, picks).float()
     if residual is not None:
         residual = residual.reshape(-1)
-        sample = sample + (residual.float() if picks is None else residual[picks].float())
+        sample = sample + (residual.float() if picks is None else residual.index_select(0, picks).float())
     threshold = threshold_from_sample(selection_magnitude(sample), CANDIDATE_REACH * k, x.numel())
     return threshold.clamp_min(SMALLEST_MAGNITUDE)
 
