@@ -257,11 +257,6 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
         if gathered is not None and _decode_every_shard(job, flat, shard, gathered, hierarchy, stats):
             stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
             return
-        if gathered is not None:  # no shared memory for the payloads: decode here after all
-            rows_in, meta = gathered
-            divisor = hierarchy.inter.world_size if job.op == "avg" else 1
-            with Timer(stats):
-                job.compressor.decompress_sum(rows_in, shard.dtype, shard, meta=meta, divisor=divisor)
         if area.shard is not None:
             rows[size, lo:hi].copy_(shard)
         flat[lo : lo + own].copy_(shard[:own])
@@ -370,13 +365,15 @@ def _decode_every_shard(
     straight into the tensor, as the shard's rank would (the same bits on every rank):
     a few k entries a shard cross the node instead of dense shards, and the dense
     result is written once. False, on every rank of the node, where it cannot map
-    the memory for them (the caller decodes its shard and gathers it densely).
+    the memory for them: then it decodes its own shard into ``shard``, for the
+    caller to gather densely.
 
     No barrier after the decoding: a rank writes these payloads, or any shard into
     the result row (``shard`` here for 32- and 64-bit tensors, scratch now), only
     after its next job's first barrier, when every rank has decoded this job's."""
     intra, inter = hierarchy.intra, hierarchy.inter
     rows_in, meta = gathered
+    divisor = inter.world_size if job.op == "avg" else 1
     nbytes = rows_in.numel()  # every node's payload of this shard
     key = ("payloads", nbytes)
     payloads = hierarchy.areas.get(key)
@@ -384,13 +381,14 @@ def _decode_every_shard(
         mapped = _map_shared(intra, intra.world_size * nbytes, torch.uint8)
         if mapped is None:
             hierarchy.shared_memory = False  # decided by every rank of the node alike
+            with Timer(stats):
+                job.compressor.decompress_sum(rows_in, shard.dtype, shard, meta=meta, divisor=divisor)
             return False
         payloads = hierarchy.areas[key] = mapped.view(intra.world_size, nbytes)
     payloads[intra.rank].copy_(rows_in.view(-1))
     stats.bytes_sent_intra = (intra.world_size - 1) * (shard.numel() * flat.element_size() + nbytes)
     with exchange():
         dist.barrier(group=intra.group)
-    divisor = inter.world_size if job.op == "avg" else 1
     length, numel = shard.numel(), flat.numel()
     with Timer(stats):
         for j in range(intra.world_size):
