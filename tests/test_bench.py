@@ -503,6 +503,21 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     )
     assert "cost model (its own measurements): 1 of 2 auto runs predicted within 25%" in text
     assert "cost model (the stored profile): " in text and " of 6 static runs" in text
+    assert "no communication observed" not in text
+    # A step no faster than compute-only leaves nothing to compare with: counted, not within.
+    idle = [record("dense", "dense", "", 95), record("auto", "gradcomp", "auto", 99)]
+    idle[-1]["planned_comm_ms"] = 0.5
+    ddp_train.add_predictions(idle, 2)
+    assert math.isnan(idle[-1]["model_error"]) and idle[-1]["predicted_comm_ms"] == 0.5
+    text = ddp_train.format_sweep(
+        ddp_train.sweep_rows(
+            [("1gbit", {"records": slow}), ("none", {"records": fast}), ("x", {"records": idle})]
+        )
+    )
+    assert (
+        "cost model (its own measurements): 1 of 3 auto runs predicted within 25% of the observed "
+        "communication (1 with no communication observed: step within compute-only)"
+    ) in text
 
 
 def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
