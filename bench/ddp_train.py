@@ -124,6 +124,13 @@ def parser() -> argparse.ArgumentParser:
         "(evens out drift on a noisy machine; default 1)",
     )
     top.add_argument(
+        "--interleave",
+        action="store_true",
+        help="step the runs in turn (one timed step of each, in rotating order) instead of one "
+        "run after another, so that drift slows every run alike (every run's model is in "
+        "memory at once)",
+    )
+    top.add_argument(
         "--warmup-steps", type=int, default=3, help="first steps left out of the timing (default 3, min 2)"
     )
     top.add_argument("--batch-size", type=int, default=64, help="samples per rank and step (default 64)")
@@ -212,28 +219,35 @@ def held_out_loss(net: torch.nn.Module, settings: dict) -> float:
         return F.cross_entropy(net(inputs), labels).item()
 
 
-def train(rank: int, world_size: int, run: dict, settings: dict, position: str) -> dict:
-    """One run on every rank: time ``steps`` steps, then the loss on a held-out batch (rank 0)."""
-    net = make_mlp(settings["features"], settings["width"], CLASSES, seed=0)
-    cap = run.get("bucket_cap_mb", settings["bucket_cap_mb"])
-    model = DistributedDataParallel(net, bucket_cap_mb=cap)
-    state = attach(model, run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
-    steps, warmup = settings["steps"], settings["warmup_steps"]
-    if run.get("name") == "auto" and state.trial_steps:
-        # Where the model cannot tell its plan from another, auto tries both: from the step
-        # that plans (2 here), two turns of trial_steps + 1 steps and the switch back to the
-        # first plan's if it won. Untimed, like the warm-up.
-        extra = 2 * (state.trial_steps + 1) + 2
-        steps, warmup = steps + extra, warmup + extra
-    progress = common.Progress(steps, settings["progress"] if rank == 0 else False)
-    seconds, psgd_before = [], 0
-    for step in range(steps):
-        if step == warmup and run["kind"] == "powersgd":
-            psgd_before = state.total_numel_after_compression
-        inputs, labels = batch(step, rank, world_size, settings)
+class Training:
+    """One run on every rank: ``steps`` steps (the first ``warmup`` untimed), then the
+    loss on a held-out batch (taken after ``settings["steps"]`` steps in every run)."""
+
+    def __init__(self, rank: int, world_size: int, run: dict, settings: dict, position: str):
+        self.rank, self.world_size, self.run, self.settings = rank, world_size, run, settings
+        self.net = make_mlp(settings["features"], settings["width"], CLASSES, seed=0)
+        cap = run.get("bucket_cap_mb", settings["bucket_cap_mb"])
+        self.model = DistributedDataParallel(self.net, bucket_cap_mb=cap)
+        self.state = attach(self.model, run)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=settings["lr"], momentum=0.9)
+        self.steps, self.warmup = settings["steps"], settings["warmup_steps"]
+        if run.get("name") == "auto" and self.state.trial_steps:
+            # Where the model cannot tell its plan from another, auto tries both: from the step
+            # that plans (2 here), two turns of trial_steps + 1 steps and the switch back to the
+            # first plan's if it won. Untimed, like the warm-up.
+            extra = 2 * (self.state.trial_steps + 1) + 2
+            self.steps, self.warmup = self.steps + extra, self.warmup + extra
+        self.progress = common.Progress(self.steps, settings["progress"] if rank == 0 else False)
+        self.position, self.done, self.seconds, self.psgd_before = position, 0, [], 0
+        self.loss = math.nan
+
+    def step(self) -> None:
+        run, settings, step = self.run, self.settings, self.done
+        if step == self.warmup and run["kind"] == "powersgd":
+            self.psgd_before = self.state.total_numel_after_compression
+        inputs, labels = batch(step, self.rank, self.world_size, settings)
         dist.barrier()
-        profiling = settings["profile"] and rank == 0 and step == steps - 1
+        profiling = settings["profile"] and self.rank == 0 and step == self.steps - 1
         profiler = (
             torch.profiler.profile(experimental_config=gradcomp.profiling.all_threads())
             if profiling
@@ -241,67 +255,98 @@ def train(rank: int, world_size: int, run: dict, settings: dict, position: str) 
         )
         began = time.perf_counter()
         with profiler:
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(inputs), labels).backward()
-            optimizer.step()
-        seconds.append(time.perf_counter() - began)
+            self.optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(self.model(inputs), labels).backward()
+            self.optimizer.step()
+        self.seconds.append(time.perf_counter() - began)
         if profiling:
             os.makedirs(settings["profile"], exist_ok=True)
             slug = re.sub(r"[^A-Za-z0-9]+", "-", run["label"]).strip("-")
             profiler.export_chrome_trace(os.path.join(settings["profile"], f"ddp_train-{slug}.json"))
-        progress.update(step + 1, f"[{position}] {run['label']}")
-        if step + 1 == settings["steps"]:  # every run's loss after as many steps (auto's trial: more)
-            loss = held_out_loss(net, settings) if run["kind"] != "compute" else math.nan
-    progress.close()
-    slowest = torch.tensor(seconds[warmup:], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    numel = sum(p.numel() for p in net.parameters())
-    timed = steps - warmup
-    inter = math.nan
-    if run["kind"] == "gradcomp":
-        state.flush()  # every bucket's statistics recorded
-        kept = state.stats[-timed:]
-        sent = statistics.mean(s.bytes_sent for s in kept)
-        if run["options"].get("algorithm") == "hierarchical" or run.get("name") == "auto":
-            inter = statistics.mean(s.bytes_sent_inter for s in kept)  # auto: 0 unless it went hierarchical
-        compress_ms = 1e3 * statistics.mean(s.compress_seconds for s in kept)
-    elif run["kind"] == "powersgd":
-        elements = (state.total_numel_after_compression - psgd_before) / timed
-        sent, compress_ms = ring_all_reduce_bytes(round(4 * elements), world_size), math.nan
-    else:
-        sent, compress_ms = ring_all_reduce_bytes(numel * WIRE_BYTES[run["kind"]], world_size), math.nan
-    note, planned, ready = run.get("note", ""), math.nan, None
-    if run.get("name") == "auto":  # what the planner picked, bucket by bucket
-        picks = collections.Counter(f"{p.compressor} {p.how}" for p in state.plan or [])
-        note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
-        for trial in state.trials:  # what it tried, and the milliseconds a step of each
-            tried = [", ".join(plan) for plan in trial["plans"]]
-            times = " vs ".join(f"{t:.0f}" for t in trial["step_ms"])
-            kept = ("first", "second")[trial["kept"]]
-            note += f" (tried {' against '.join(tried)}: {times} ms, kept the {kept})"
-        if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
-            planned = 1e3 * sum(p.seconds for p in state.plan)
-            ready = state.ready_offsets  # when the buckets were handed over, which the plan weighed
-    return dict(
-        run=run["label"],
-        kind=run["kind"],
-        name=run.get("name", ""),
-        options=run.get("options", {}),
-        note=note,
-        failed="",
-        parameters=numel,
-        buckets=bucket_count(model),
-        bucket_numels=bucket_numels(model),
-        step_ms=1e3 * statistics.median(slowest.tolist()),
-        step_ms_all=[round(1e3 * s, 2) for s in slowest.tolist()],
-        bytes_per_step=sent,
-        inter_bytes_per_step=inter,
-        dense_bytes_per_step=ring_all_reduce_bytes(numel * 4, world_size),
-        compress_ms=compress_ms,
-        planned_comm_ms=planned,
-        ready_offsets=ready,
-        loss=loss,
-    )
+        self.done += 1
+        self.progress.update(self.done, f"[{self.position}] {run['label']}")
+        if self.done == settings["steps"] and run["kind"] != "compute":  # auto's trial: more steps
+            self.loss = held_out_loss(self.net, settings)
+
+    def record(self) -> dict:
+        """The run's record, once every step is done."""
+        run, state, world_size = self.run, self.state, self.world_size
+        self.progress.close()
+        slowest = torch.tensor(self.seconds[self.warmup :], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        numel = sum(p.numel() for p in self.net.parameters())
+        timed = self.steps - self.warmup
+        inter = math.nan
+        if run["kind"] == "gradcomp":
+            state.flush()  # every bucket's statistics recorded
+            kept = state.stats[-timed:]
+            sent = statistics.mean(s.bytes_sent for s in kept)
+            if run["options"].get("algorithm") == "hierarchical" or run.get("name") == "auto":
+                inter = statistics.mean(s.bytes_sent_inter for s in kept)  # auto: 0 unless hierarchical
+            compress_ms = 1e3 * statistics.mean(s.compress_seconds for s in kept)
+        elif run["kind"] == "powersgd":
+            elements = (state.total_numel_after_compression - self.psgd_before) / timed
+            sent, compress_ms = ring_all_reduce_bytes(round(4 * elements), world_size), math.nan
+        else:
+            sent, compress_ms = ring_all_reduce_bytes(numel * WIRE_BYTES[run["kind"]], world_size), math.nan
+        note, planned, ready = run.get("note", ""), math.nan, None
+        if run.get("name") == "auto":  # what the planner picked, bucket by bucket
+            picks = collections.Counter(f"{p.compressor} {p.how}" for p in state.plan or [])
+            note = "auto: " + ", ".join(f"{pick} x{count}" for pick, count in picks.items())
+            for trial in state.trials:  # what it tried, and the milliseconds a step of each
+                tried = [", ".join(plan) for plan in trial["plans"]]
+                times = " vs ".join(f"{t:.0f}" for t in trial["step_ms"])
+                kept = ("first", "second")[trial["kept"]]
+                note += f" (tried {' against '.join(tried)}: {times} ms, kept the {kept})"
+            if state.plan:  # what the hook measured in this run; each bucket's whole time, no overlap
+                planned = 1e3 * sum(p.seconds for p in state.plan)
+                ready = state.ready_offsets  # when the buckets were handed over, which the plan weighed
+        return dict(
+            run=run["label"],
+            kind=run["kind"],
+            name=run.get("name", ""),
+            options=run.get("options", {}),
+            note=note,
+            failed="",
+            parameters=numel,
+            buckets=bucket_count(self.model),
+            bucket_numels=bucket_numels(self.model),
+            step_ms=1e3 * statistics.median(slowest.tolist()),
+            step_ms_all=[round(1e3 * s, 2) for s in slowest.tolist()],
+            bytes_per_step=sent,
+            inter_bytes_per_step=inter,
+            dense_bytes_per_step=ring_all_reduce_bytes(numel * 4, world_size),
+            compress_ms=compress_ms,
+            planned_comm_ms=planned,
+            ready_offsets=ready,
+            loss=self.loss,
+        )
+
+
+def train(rank: int, world_size: int, run: dict, settings: dict, position: str) -> dict:
+    """One run on every rank, step after step: its record."""
+    training = Training(rank, world_size, run, settings, position)
+    while training.done < training.steps:
+        training.step()
+    return training.record()
+
+
+def train_interleaved(rank: int, world_size: int, runs: list[dict], settings: dict) -> list[dict]:
+    """Every run at once: each one's untimed steps in turn (auto's trial among them),
+    then a timed step of each run, the order rotating by one each time, so that
+    whatever slows the machine for a while slows every run alike."""
+    trainings = [
+        Training(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}")
+        for run in runs
+    ]
+    for training in trainings:
+        while training.done < training.warmup:
+            training.step()
+    timed = settings["steps"] - settings["warmup_steps"]  # as many in every run
+    for turn in range(timed):
+        for training in trainings[turn % len(trainings) :] + trainings[: turn % len(trainings)]:
+            training.step()
+    return [training.record() for training in trainings]
 
 
 def bucket_count(model: DistributedDataParallel) -> int:
@@ -347,9 +392,13 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
         check = common.measure_levels(settings["link_check_bytes"], settings["ranks_per_node"])
     elif link_check:
         check = check_link(world_size, settings["link_check_bytes"])
-    records = [
-        train(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}") for run in runs
-    ]
+    if settings["interleave"]:
+        records = train_interleaved(rank, world_size, runs, settings)
+    else:
+        records = [
+            train(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}")
+            for run in runs
+        ]
     return dict(link_check=check, records=records)
 
 
@@ -610,13 +659,18 @@ def _bar_label(record: dict) -> str:
 
 def describe(settings: dict, records: list[dict]) -> str:
     parameters = next(r["parameters"] for r in records if not r["failed"])
+    interleaved = (
+        "runs interleaved (each run's untimed steps in turn, then a timed step of each, in rotating order); "
+        if settings.get("interleave")
+        else ""
+    )
     return (
         f"MLP {settings['features']}-{settings['width']}-{settings['width']}-{CLASSES} "
         f"({parameters:,} parameters, bucket_cap_mb {settings['bucket_cap_mb']:g}), synthetic "
         f"data (a linear teacher on a {LATENT}-dim latent), batch {settings['batch_size']} per rank, "
         f"SGD lr {settings['lr']} momentum 0.9, "
         f"{settings['steps']} steps ({settings['warmup_steps']} untimed; auto runs its trial's "
-        "steps on top, untimed), median of the slowest rank; "
+        f"steps on top, untimed), median of the slowest rank; {interleaved}"
         "loss: cross-entropy on 2048 held-out samples after the steps (auto: after as many)"
     )
 

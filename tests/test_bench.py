@@ -227,6 +227,49 @@ def test_ddp_train_smoke(tmp_path):
         assert len(pooled[run]["step_ms_all"]) == 2 and pooled[run]["rounds"] == 2
 
 
+def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_each_in_rotation(monkeypatch):
+    ddp_train = importlib.import_module("ddp_train")
+    order = []
+
+    class Fake:
+        def __init__(self, rank, world_size, run, settings, position):
+            self.label, self.done = run["label"], 0
+            self.warmup = settings["warmup_steps"] + (2 if run["label"] == "auto" else 0)  # its trial
+            self.steps = settings["steps"] + self.warmup - settings["warmup_steps"]
+
+        def step(self):
+            order.append((self.label, self.done))
+            self.done += 1
+
+        def record(self):
+            assert self.done == self.steps
+            return self.label
+
+    monkeypatch.setattr(ddp_train, "Training", Fake)
+    runs = [dict(label=label, position=i) for i, label in enumerate(("dense", "int8", "auto"), 1)]
+    settings = dict(steps=5, warmup_steps=2, total_runs=3)
+    assert ddp_train.train_interleaved(0, 2, runs, settings) == ["dense", "int8", "auto"]
+    untimed = [("dense", 0), ("dense", 1), ("int8", 0), ("int8", 1), *[("auto", s) for s in range(4)]]
+    timed = [("dense", 2), ("int8", 2), ("auto", 4), ("int8", 3), ("auto", 5), ("dense", 3)]
+    timed += [("auto", 6), ("dense", 4), ("int8", 4)]
+    assert order == untimed + timed
+
+
+def test_ddp_train_interleaved_trains_each_run_as_run_alone(tmp_path):
+    args = [*TINY_MODEL, "--compressors", "int8", "--baselines", "--link-check-bytes", "256KiB"]
+    alone = run_script("ddp_train.py", *args, "--out", str(tmp_path / "alone"))
+    interleaved = run_script("ddp_train.py", *args, "--interleave", "--out", str(tmp_path / "interleaved"))
+    assert "runs interleaved" in interleaved.stdout and "runs interleaved" not in alone.stdout
+    losses = []
+    for out in ("alone", "interleaved"):
+        rows, _ = read_results(tmp_path / out, stem("ddp_train"))
+        assert [r["run"] for r in rows] == ["compute only", "dense", "int8"]
+        assert all(float(r["step_ms"]) > 0 for r in rows)
+        losses.append({r["run"]: r["loss"] for r in rows if r["run"] != "compute only"})
+    # The same steps on the same batches: the same bits, whatever ran in between.
+    assert losses[0] == losses[1] and all(0 < float(v) < 3 for v in losses[0].values())
+
+
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path):
     args = ["--epochs", "1", "--width", "32", "--compressors", "int8", "--momentum", "0.5"]
