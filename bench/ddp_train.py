@@ -233,9 +233,9 @@ class Training:
         self.steps, self.warmup = settings["steps"], settings["warmup_steps"]
         if run.get("name") == "auto" and self.state.trial_steps:
             # Where the model cannot tell its plan from another, auto tries both: from the step
-            # that plans (2 here), two turns of trial_steps + 1 steps and the switch back to the
-            # first plan's if it won. Untimed, like the warm-up.
-            extra = 2 * (self.state.trial_steps + 1) + 2
+            # that plans (2 here), its turns of trial_steps + 1 steps and the switch to the
+            # contender if it won. Untimed, like the warm-up.
+            extra = len(gradcomp.ddp.TRIAL_TURNS) * (self.state.trial_steps + 1) + 2
             self.steps, self.warmup = self.steps + extra, self.warmup + extra
         self.progress = common.Progress(self.steps, settings["progress"] if rank == 0 else False)
         self.position, self.done, self.seconds, self.psgd_before = position, 0, [], 0

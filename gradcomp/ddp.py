@@ -60,6 +60,9 @@ AUTO_MIN_WARMUP = 2
 _TIMED_STEPS = 256
 DEFAULT_TRIAL_STEPS = 4
 MAX_TRIAL_STEPS = 100  # a trial's turn: well within the steps whose times are kept
+# A trial's turns: the plan's, the contender's, the plan's again. Each plan's time is the mean of
+# its turns', so that a machine slowing (or speeding up) steadily weighs on both plans alike.
+TRIAL_TURNS = (0, 1, 0)
 
 
 @dataclasses.dataclass
@@ -175,16 +178,19 @@ class HookState:
 
     The model misses by up to a quarter on some links and devices, so where
     another choice is predicted within :data:`gradcomp.planner.MARGIN` of a
-    plan's (either way), the plan is tried against it before it is kept: each
-    runs ``trial_steps`` steps and one more (the step its turn is judged in;
-    the first plan's turn also has the step that planned); its steps but the
-    first (which may fold residuals in) are timed on every rank (on GPUs the
-    host waits for the device at each step's start, during a trial only), the
-    slowest rank's median step counts (a step the training loop stalls for its
-    own reasons does not), and the faster plan stays (:attr:`trials`
-    records each trial: its plans, their milliseconds a step, which one was
-    kept). Checks wait until it ends; a checkpoint keeps a trial under way,
-    and a resumed run times the turn it is in from its steps after its first.
+    plan's (either way), the plan is tried against it before it is kept, in
+    three turns (:data:`TRIAL_TURNS`: the plan's, the contender's, the plan's
+    again, so that a steady drift of the machine weighs on both alike): each
+    turn runs ``trial_steps`` steps and one more (the step it is judged in;
+    the first turn also has the step that planned); its steps but the first
+    (which may fold residuals in) are timed on every rank (on GPUs the host
+    waits for the device at each step's start, during a trial only), the
+    slowest rank's median step counts (a step the training loop stalls for
+    its own reasons does not), a plan's turns are averaged and the faster
+    plan stays (:attr:`trials` records each trial: its plans, their
+    milliseconds a step, each turn's, which one was kept). Checks wait
+    until it ends; a checkpoint keeps a trial under way, and a resumed run
+    times the turn it is in from its steps after its first.
 
     Example:
         >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
@@ -308,7 +314,7 @@ class HookState:
         self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
         self.trials: list[dict] = []  # each trial: its plans' choices, their step times, which stayed
-        self._trial: dict | None = None  # the trial under way: {"plans": [...], "seconds": [...]}
+        self._trial: dict | None = None  # the trial under way: {"plans": [...], "seconds": [a turn's]}
         self._marks: dict[int, float] = {}  # step -> when its first bucket was hooked (after the plan)
         self._contender: list | None = None  # the last _choose's contender plan (worker)
         ops.check_forced_backend()
@@ -499,24 +505,29 @@ class HookState:
         (worst,) = _ranks_max(q, [seconds])
         trial["seconds"].append(worst)
         plans, times = trial["plans"], trial["seconds"]
-        if len(times) < len(plans):
-            self._replanned = plans[len(times)]
+        if len(times) < len(TRIAL_TURNS):
+            self._replanned = plans[TRIAL_TURNS[len(times)]]
             return
-        best = min(range(len(plans)), key=lambda i: (times[i], i))
+        means = [
+            statistics.mean(t for t, turn in zip(times, TRIAL_TURNS, strict=True) if turn == i)
+            for i in range(len(plans))
+        ]
+        best = min(range(len(plans)), key=lambda i: (means[i], i))
         self._trial = None
         self.trials.append(
             {
                 "plans": [_picks(plan) for plan in plans],
-                "step_ms": [1e3 * t for t in times],
+                "step_ms": [1e3 * t for t in means],
+                "turns_ms": [1e3 * t for t in times],
                 "kept": best,
             }
         )
         logger.info(
             "gradcomp auto keeps %s: %s ms a step",
             _choices(plans[best]),
-            " against ".join(f"{1e3 * t:.4g}" for t in times),
+            " against ".join(f"{1e3 * t:.4g}" for t in means),
         )
-        if best != len(plans) - 1:
+        if best != TRIAL_TURNS[-1]:
             self._replanned = plans[best]
 
     def replan(self) -> None:

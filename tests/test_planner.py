@@ -965,25 +965,29 @@ def _trial_body(rank, world_size, steps, slow, stall=None):
     ("slow", "stall"), [("int8", None), ("int4", None), ("int8", 9)], ids=["int8", "int4", "int8-stall"]
 )
 def test_auto_tries_a_close_contender_and_keeps_the_faster(slow, stall):
-    result = spawn.run_ranks(_trial_body, 2, 15, slow, stall, timeout=240)
+    result = spawn.run_ranks(_trial_body, 2, 20, slow, stall, timeout=240)
     # Planned at step 2 (int8); it runs to step 7, whose check times steps 4-6; int4
-    # runs steps 8-12 (timed 9-11), and the faster plan applies from step 13. A stall
-    # of 1.5 s in int4's step 9 (6x what int8 loses a step) is one step of three: the
-    # median passes over it.
+    # runs steps 8-12 (timed 9-11), int8 again steps 13-17 (timed 14-16), and the faster
+    # plan applies from step 18. A stall of 1.5 s in int4's step 9 (6x what int8 loses
+    # a step) is one step of three: the median passes over it.
     kept = "int4" if slow == "int8" else "int8"
-    expected = ["none dense"] * 2 + ["int8 allgather"] * 6 + ["int4 allgather"] * 5
-    assert result["hows"] == expected + [f"{kept} allgather"] * 2
+    turns = ["int8 allgather"] * 6 + ["int4 allgather"] * 5 + ["int8 allgather"] * 5
+    assert result["hows"] == ["none dense"] * 2 + turns + [f"{kept} allgather"] * 2
     (trial,) = result["trials"][0]
     assert trial["plans"] == [["int8 allgather"], ["int4 allgather"]]
     assert trial["kept"] == ("int8", "int4").index(kept)
-    # The slow plan's steps took the 0.25 s sleep more (the slowest rank's, every rank's).
+    # The slow plan's steps took the 0.25 s sleep more (the slowest rank's, every rank's);
+    # int8's time is the mean of its two turns'.
     assert trial["step_ms"][1 - trial["kept"]] > trial["step_ms"][trial["kept"]] + 150
+    first, second, third = trial["turns_ms"]
+    assert trial["step_ms"] == [pytest.approx((first + third) / 2), second]
     assert result["plan"] == [(kept, "allgather")] and result["replicas_equal"]
     # A checkpoint in int4's turn holds the trial: int8's time, int4's still to come.
     assert result["saved_trial"] == [["int8"], ["int4"]] and len(result["saved_seconds"]) == 1
     # Resumed at step 11 (DDP's first iteration there, untimed), it judged int4's turn a
-    # step later, from step 12's time, and kept the same.
-    assert result["resumed"] == (["int4 allgather"] * 3 + [f"{kept} allgather"], [trial["kept"]])
+    # step later, from step 12's time, ran int8's second turn (steps 14-18) and kept the same.
+    resumed = ["int4 allgather"] * 3 + ["int8 allgather"] * 5 + [f"{kept} allgather"]
+    assert result["resumed"] == (resumed, [trial["kept"]])
     assert result["trials"][0] == result["trials"][1]  # every rank kept the same
 
 

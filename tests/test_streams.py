@@ -316,8 +316,9 @@ def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
 
     line = planner.Linear(50e-6, 1e9)
     slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
-    # 14 steps: the plan at step 2, then a trial of int8's two algorithms (predicted alike) to step 13.
-    state = _auto_on_a_gpu(rank, world_size, 14, allow=("int8",), profile=slow)
+    # 19 steps: the plan at step 2, then a trial of int8's two algorithms (predicted alike) in
+    # three turns, to step 18.
+    state = _auto_on_a_gpu(rank, world_size, 19, allow=("int8",), profile=slow)
     mine = ([(p.compressor, p.how) for p in state.plan], state._offsets, state.trials)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
