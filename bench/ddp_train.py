@@ -223,7 +223,7 @@ class Training:
     """One run on every rank: ``steps`` steps (the first ``warmup`` untimed), then the
     loss on a held-out batch (taken after ``settings["steps"]`` steps in every run)."""
 
-    def __init__(self, rank: int, world_size: int, run: dict, settings: dict, position: str):
+    def __init__(self, rank: int, world_size: int, run: dict, settings: dict):
         self.rank, self.world_size, self.run, self.settings = rank, world_size, run, settings
         self.net = make_mlp(settings["features"], settings["width"], CLASSES, seed=0)
         cap = run.get("bucket_cap_mb", settings["bucket_cap_mb"])
@@ -238,7 +238,8 @@ class Training:
             extra = len(gradcomp.ddp.TRIAL_TURNS) * (self.state.trial_steps + 1) + 2
             self.steps, self.warmup = self.steps + extra, self.warmup + extra
         self.progress = common.Progress(self.steps, settings["progress"] if rank == 0 else False)
-        self.position, self.done, self.seconds, self.psgd_before = position, 0, [], 0
+        self.position = f"{run['position']}/{settings['total_runs']}"
+        self.done, self.seconds, self.psgd_before = 0, [], 0
         self.loss = math.nan
 
     def step(self) -> None:
@@ -267,6 +268,10 @@ class Training:
         self.progress.update(self.done, f"[{self.position}] {run['label']}")
         if self.done == settings["steps"] and run["kind"] != "compute":  # auto's trial: more steps
             self.loss = held_out_loss(self.net, settings)
+
+    def run_until(self, steps: int) -> None:
+        while self.done < steps:
+            self.step()
 
     def record(self) -> dict:
         """The run's record, once every step is done."""
@@ -323,11 +328,10 @@ class Training:
         )
 
 
-def train(rank: int, world_size: int, run: dict, settings: dict, position: str) -> dict:
+def train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     """One run on every rank, step after step: its record."""
-    training = Training(rank, world_size, run, settings, position)
-    while training.done < training.steps:
-        training.step()
+    training = Training(rank, world_size, run, settings)
+    training.run_until(training.steps)
     return training.record()
 
 
@@ -335,13 +339,9 @@ def train_interleaved(rank: int, world_size: int, runs: list[dict], settings: di
     """Every run at once: each one's untimed steps in turn (auto's trial among them),
     then a timed step of each run, the order rotating by one each time, so that
     whatever slows the machine for a while slows every run alike."""
-    trainings = [
-        Training(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}")
-        for run in runs
-    ]
+    trainings = [Training(rank, world_size, run, settings) for run in runs]
     for training in trainings:
-        while training.done < training.warmup:
-            training.step()
+        training.run_until(training.warmup)
     timed = settings["steps"] - settings["warmup_steps"]  # as many in every run
     for turn in range(timed):
         for training in trainings[turn % len(trainings) :] + trainings[: turn % len(trainings)]:
@@ -395,10 +395,7 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
     if settings["interleave"]:
         records = train_interleaved(rank, world_size, runs, settings)
     else:
-        records = [
-            train(rank, world_size, run, settings, f"{run['position']}/{settings['total_runs']}")
-            for run in runs
-        ]
+        records = [train(rank, world_size, run, settings) for run in runs]
     return dict(link_check=check, records=records)
 
 

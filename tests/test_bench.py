@@ -232,7 +232,7 @@ def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_eac
     order = []
 
     class Fake:
-        def __init__(self, rank, world_size, run, settings, position):
+        def __init__(self, rank, world_size, run, settings):
             self.label, self.done = run["label"], 0
             self.warmup = settings["warmup_steps"] + (2 if run["label"] == "auto" else 0)  # its trial
             self.steps = settings["steps"] + self.warmup - settings["warmup_steps"]
@@ -240,6 +240,10 @@ def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_eac
         def step(self):
             order.append((self.label, self.done))
             self.done += 1
+
+        def run_until(self, steps):
+            while self.done < steps:
+                self.step()
 
         def record(self):
             assert self.done == self.steps
