@@ -18,7 +18,7 @@ Example:
     >>> profile = planner.Profile.load()  # the stored profile of this kind of machine
     >>> plan = planner.choose([6_553_600, 4096], 16, profile.with_link(1e9 / 8))  # 1 Gbit/s
     >>> [(p.compressor, p.algorithm) for p in plan]  # on the stored 2-core CPU profile
-    [('int4', 'two_phase'), ('bf16', 'allgather')]
+    [('int4', 'two_phase'), ('int4', 'allgather')]
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import scale
-from gradcomp.collectives.algorithms import ALGORITHMS, HIERARCHICAL, check_algorithm
+from gradcomp.collectives.algorithms import (
+    ALGORITHMS,
+    HIERARCHICAL,
+    allgather_segments,
+    check_algorithm,
+    default_algorithm,
+)
 from gradcomp.collectives.stats import ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase_segments
 from gradcomp.compressors import Compressor, Context, get_compressor
@@ -837,13 +843,21 @@ def _all_reduce_once(tensor: torch.Tensor, group) -> None:
     _synchronize(tensor)
 
 
-def _encode_once(compressor: Compressor, x: torch.Tensor, context) -> None:
-    compressor.compress(x, context)
+def _encode_once(compressor: Compressor, x: torch.Tensor, residual, segments, buffered: bool) -> None:
+    for start, end in segments:
+        part = None if residual is None else residual[start:end]
+        payload = compressor.compress(x[start:end], Context(residual=part))
+        if buffered:
+            payload.to_buffer()
     _synchronize(x)
 
 
-def _decode_once(compressor: Compressor, payload, out: torch.Tensor) -> None:
-    compressor.decompress(payload, out=out)
+def _decode_once(compressor: Compressor, payloads, out: torch.Tensor) -> None:
+    for payload, rows, (start, end) in payloads:
+        if rows is None:
+            compressor.decompress(payload, out=out[start:end])
+        else:
+            compressor.decompress_sum(rows, out.dtype, out[start:end], meta=payload.meta, divisor=len(rows))
     _synchronize(out)
 
 
@@ -857,8 +871,16 @@ def fit_link(rows: list[dict], world_size: int) -> scale.Link:
 
 
 def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", repeat: int = 5) -> Codec:
-    """Time ``compress`` (with a residual when the compressor keeps one by default) and
-    ``decompress`` of ``sizes`` random fp32 elements on ``device``; fit each.
+    """Time the encode and decode of ``sizes`` random fp32 elements on ``device`` as the
+    algorithms run them; fit each.
+
+    Encode: ``compress`` (with a residual when the compressor keeps one by default); of
+    a summable payload (casts) the whole tensor's, which an all-reduce sums as it is; of
+    others each pipeline segment's (:func:`gradcomp.collectives.allgather_segments`),
+    written into its send buffer. Decode: of a summable payload, ``decompress`` of the
+    one summed; of others, ``decompress_sum`` of two ranks' rows a segment (zeroing,
+    two accumulating decodes and the division: what every reduction of received rows
+    runs), counted as one row's, half of it.
 
     On a CPU the codec is timed while another thread computes (:func:`busy`), by the CPU
     time of the thread that runs it: in training it shares the cores, caches and memory
@@ -869,18 +891,24 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     compressor = candidate(compressor)
     device = torch.device(device)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    summed = default_algorithm(compressor, 2) == "dense"
     encode, decode = [], []
     with busy(device):
         for numel in sizes:
             x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
             out = torch.empty_like(x)
             # With error feedback where the compressor has it by default: the fused pass training runs.
-            context = Context(residual=torch.zeros_like(x)) if compressor.needs_feedback else None
-            payload = compressor.compress(x)
-            encoding = functools.partial(_encode_once, compressor, x, context)
-            decoding = functools.partial(_decode_once, compressor, payload, out)
+            residual = torch.zeros_like(x) if compressor.needs_feedback else None
+            segments = [(0, numel)] if summed else allgather_segments(compressor, numel, device)
+            payloads = []
+            for start, end in segments:
+                payload = compressor.compress(x[start:end])
+                rows = None if summed else torch.stack([payload.to_buffer()] * 2)
+                payloads.append((payload, rows, (start, end)))
+            encoding = functools.partial(_encode_once, compressor, x, residual, segments, not summed)
+            decoding = functools.partial(_decode_once, compressor, payloads, out)
             encode.append(_median_seconds(encoding, repeat, clock))
-            decode.append(_median_seconds(decoding, repeat, clock))
+            decode.append(_median_seconds(decoding, repeat, clock) / (1 if summed else 2))
     return Codec(Linear.fit(sizes, encode), Linear.fit(sizes, decode))
 
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import gradcomp
 from gradcomp import cli, planner, spawn
-from gradcomp.collectives import scale
-from gradcomp.compressors import BF16
+from gradcomp.collectives import scale, two_phase
+from gradcomp.compressors import BF16, Int8
 
 
 def profile(bandwidth: float, latency: float = 20e-6, rate: float = 1e9, overhead: float = 50e-6):
@@ -364,6 +364,61 @@ def test_cpu_codecs_are_timed_beside_a_busy_thread_by_the_cpu_time_they_take():
     assert codec.encode.seconds(1000) < 0.01  # 30 ms asleep, not counted
     assert 0.015 < codec.decode.seconds(1000) < 0.1  # 20 ms of CPU, counted
     assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
+
+
+class _Recorded(Int8):
+    """int8 that notes each encode's and decode's size; its ``decompress_sum`` computes
+    for 40 ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def compress(self, tensor, ctx=None):
+        self.calls.append(("compress", tensor.numel()))
+        return super().compress(tensor, ctx)
+
+    def decompress(self, payload, out=None, accumulate=False, *, divisor=1):
+        self.calls.append(("decompress", payload.numel))
+        return super().decompress(payload, out, accumulate, divisor=divisor)
+
+    def decompress_sum(self, rows, dtype, out, *, meta=None, divisor=1):
+        self.calls.append(("decompress_sum", tuple(rows.shape[:1]), out.numel(), divisor))
+        began = time.thread_time()
+        while time.thread_time() - began < 0.04:
+            pass
+        for row in rows:
+            assert row.dtype == torch.uint8  # what the exchange delivers: send buffers
+        return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)
+
+
+def test_codecs_are_timed_as_the_algorithms_run_them(monkeypatch):
+    # A CPU all-gather encodes a long tensor segment by segment into send buffers and
+    # decodes two ranks' rows a segment by decompress_sum; a cast's payload is summed by
+    # the all-reduce itself and decoded once, whole.
+    monkeypatch.setattr(two_phase, "SEGMENT_ELEMENTS", 1024)
+    recorded = _Recorded()
+    codec = planner.measure_codec(recorded, [4096], "cpu", repeat=1)
+    encodes = [c for c in recorded.calls if c[0] == "compress"]
+    decodes = [c for c in recorded.calls if c[0] != "compress"]
+    assert encodes == [("compress", 1024)] * 4 * 3  # the rows' payloads, a warm-up, one timing
+    assert decodes == [("decompress_sum", (2,), 1024, 2)] * 4 * 2
+    # Two ranks' rows a segment, 40 ms of CPU each: one row's decode of the whole is 80 ms.
+    assert 0.07 < codec.decode.seconds(4096) < 0.2
+
+    class Cast(BF16):
+        calls = []
+
+        def compress(self, tensor, ctx=None):
+            self.calls.append(("compress", tensor.numel()))
+            return super().compress(tensor, ctx)
+
+        def decompress(self, payload, out=None, accumulate=False, *, divisor=1):
+            self.calls.append(("decompress", payload.numel))
+            return super().decompress(payload, out, accumulate, divisor=divisor)
+
+    planner.measure_codec(Cast(), [4096], "cpu", repeat=1)
+    assert set(Cast.calls) == {("compress", 4096), ("decompress", 4096)}
 
 
 def _busy_threads() -> list[threading.Thread]:
