@@ -366,9 +366,8 @@ def test_cpu_codecs_are_timed_beside_a_busy_thread_by_the_cpu_time_they_take():
     assert not any(t.name == "gradcomp-probe-busy" for t in threading.enumerate())
 
 
-class _Recorded(Int8):
-    """int8 that notes each encode's and decode's size; its ``decompress_sum`` computes
-    for 40 ms."""
+class _Noting:
+    """A compressor mixin that notes each encode's and decode's size in ``calls``."""
 
     def __init__(self):
         super().__init__()
@@ -382,6 +381,10 @@ class _Recorded(Int8):
         self.calls.append(("decompress", payload.numel))
         return super().decompress(payload, out, accumulate, divisor=divisor)
 
+
+class _Recorded(_Noting, Int8):
+    """Noted int8 whose ``decompress_sum`` computes for 40 ms."""
+
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor=1):
         self.calls.append(("decompress_sum", tuple(rows.shape[:1]), out.numel(), divisor))
         began = time.thread_time()
@@ -390,6 +393,10 @@ class _Recorded(Int8):
         for row in rows:
             assert row.dtype == torch.uint8  # what the exchange delivers: send buffers
         return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)
+
+
+class _NotedCast(_Noting, BF16):
+    pass
 
 
 def test_codecs_are_timed_as_the_algorithms_run_them(monkeypatch):
@@ -406,19 +413,9 @@ def test_codecs_are_timed_as_the_algorithms_run_them(monkeypatch):
     # Two ranks' rows a segment, 40 ms of CPU each: one row's decode of the whole is 80 ms.
     assert 0.07 < codec.decode.seconds(4096) < 0.2
 
-    class Cast(BF16):
-        calls = []
-
-        def compress(self, tensor, ctx=None):
-            self.calls.append(("compress", tensor.numel()))
-            return super().compress(tensor, ctx)
-
-        def decompress(self, payload, out=None, accumulate=False, *, divisor=1):
-            self.calls.append(("decompress", payload.numel))
-            return super().decompress(payload, out, accumulate, divisor=divisor)
-
-    planner.measure_codec(Cast(), [4096], "cpu", repeat=1)
-    assert set(Cast.calls) == {("compress", 4096), ("decompress", 4096)}
+    cast = _NotedCast()
+    planner.measure_codec(cast, [4096], "cpu", repeat=1)
+    assert set(cast.calls) == {("compress", 4096), ("decompress", 4096)}
 
 
 def _busy_threads() -> list[threading.Thread]:
