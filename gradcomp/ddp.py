@@ -313,9 +313,8 @@ class HookState:
         # [[start, end], ...] events of the worker's stream on GPUs
         self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
-        self.trials: list[
-            dict
-        ] = []  # each trial: its plans' choices, their step times, its turns', which stayed
+        # each trial: its plans' choices, their step times, its turns', which stayed
+        self.trials: list[dict] = []
         self._trial: dict | None = None  # the trial under way: {"plans": [...], "seconds": [a turn's]}
         self._marks: dict[int, float] = {}  # step -> when its first bucket was hooked (after the plan)
         self._contender: list | None = None  # the last _choose's contender plan (worker)

@@ -58,7 +58,7 @@ _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": 
 STORED = pathlib.Path(__file__).with_name("profiles")
 _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
 # A compressor must be predicted this much faster than dense to be chosen: on the
-# 2-core CPU machine the model still misses by up to 20% for codecs on fast links
+# 2-core CPU machine the model still misses by up to 30% for codecs on fast links
 # (and dense by more where it overlaps the backward pass; bench/README.md), and
 # gains there were 10-30%.
 MARGIN = 0.25
