@@ -31,6 +31,14 @@ per step are what one rank sends under the ring model (as gradcomp's
 all-reduces per step (its P and Q factors plus the tensors it leaves
 uncompressed), from ``PowerSGDState.total_numel_after_compression``.
 
+After the first round's runs the ranks probe the link they run on and the
+static runs' codecs at the model's bucket sizes (``planner.probe``, as
+``python -m gradcomp probe`` does), and the cost model's predicted
+communication for each static run comes from that profile (``--no-probe``:
+from the stored profile, on the run's link): a shared machine's speed
+drifts from day to day (bench/README.md), and a profile stored on another
+day does not tell how good the model is. Not on an emulated cluster.
+
 On an emulated cluster (``--nodes``, root only; see ``common.EmulatedCluster``)
 the default runs are dense, torch's fp16 hook, flat int8 (``two_phase``),
 hierarchical int8, int4 and Top-K 1% and auto (which weighs hierarchical
@@ -143,6 +151,14 @@ def parser() -> argparse.ArgumentParser:
         type=common.parse_size,
         default=common.parse_size("64MiB"),
         help="size of the dense all-reduce that measures the link first (default 64MiB)",
+    )
+    top.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="leave out the probe of the link and the codecs after the first round's runs, which "
+        "the cost model's predictions for the static runs come from (then from the stored "
+        "profile, on this run's link)",
     )
     top.add_argument(
         "--profile",
@@ -386,7 +402,8 @@ def check_link(world_size: int, nbytes: int, iters: int = 3) -> dict:
 
 
 def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_check: bool) -> dict:
-    """Body of the spawned ranks: optionally the link check, then each run in turn."""
+    """Body of the spawned ranks: optionally the link check, then each run in turn, then
+    with the link check (the first round) the probe the static runs' predictions come from."""
     check = None
     if link_check and settings["nodes"]:
         check = common.measure_levels(settings["link_check_bytes"], settings["ranks_per_node"])
@@ -396,15 +413,43 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
         records = train_interleaved(rank, world_size, runs, settings)
     else:
         records = [train(rank, world_size, run, settings) for run in runs]
-    return dict(link_check=check, records=records)
+    probed = None
+    if link_check and settings["probe"] and not settings["nodes"]:
+        probed = probe_machine(runs, records).to_json()
+    return dict(link_check=check, records=records, probe=probed)
+
+
+# The probe's all-reduce sizes (elements), at most the largest bucket's: as `gradcomp probe`.
+PROBE_LINK_SIZES = (2**12, 2**16, 2**20, 2**22)
+
+
+def probe_machine(runs: list[dict], records: list[dict]) -> planner.Profile:
+    """What the cost model knows of this machine, measured now on the run's own link and
+    ranks (``planner.probe``): the link, and the static gradcomp runs' codecs at the
+    model's bucket sizes."""
+    buckets = next(r["bucket_numels"] for r in records if r.get("bucket_numels"))
+    largest = max(buckets)
+    sizes = sorted({min(size, largest) for size in PROBE_LINK_SIZES})
+    compressors = [compressor for run in runs if (compressor := _static_compressor(run)) is not None]
+    profile, _ = planner.probe(sizes, compressors, codec_sizes=sorted(set(buckets)))
+    return profile
+
+
+def _static_compressor(run: dict):
+    """The compressor of a static gradcomp run (not auto's), else None."""
+    if run["kind"] != "gradcomp" or run["name"] == "auto":
+        return None
+    options = {k: v for k, v in run["options"].items() if k not in common.HOOK_OPTIONS}
+    return gradcomp.get_compressor(run["name"], **options)
 
 
 # ----------------------------------------------------------------------------- driver and report
 
 
-def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
+def execute(runs: list[dict], settings: dict) -> tuple[dict, dict | None, list[dict]]:
     """Run everything, ``--rounds`` times; PowerSGD in processes of its own (a Gloo
-    abort must not end the bench).
+    abort must not end the bench). Returns the link check, the probe (a profile's JSON;
+    None without one) and a record per run.
 
     A PowerSGD run that fails is reported as failed and replaced, from then
     on, by the same run with the whole model in one bucket. Misordered
@@ -413,6 +458,7 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
     """
     measured: dict[str, list[dict]] = {}  # label -> its record from every round
     failed: dict[str, dict] = {}
+    probed = None
 
     def attempt(run: dict, dense_seconds: float) -> bool:
         try:
@@ -435,6 +481,7 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
     for round_ in range(settings["rounds"]):
         outcome = common.spawn(ranks, settings["spawn"], ordinary, settings, round_ == 0, timeout=deadline)
         link_check = link_check or outcome["link_check"]
+        probed = probed or outcome["probe"]
         for record in outcome["records"]:
             measured.setdefault(record["run"], []).append(record)
         dense_seconds = measured[LABELS["dense"]][-1]["step_ms"] / 1e3 * settings["steps"]
@@ -443,7 +490,7 @@ def execute(runs: list[dict], settings: dict) -> tuple[dict, list[dict]]:
                 run = None if run.get("bucket_cap_mb") == ONE_BUCKET_MB else _one_bucket(run, runs)
             current[label] = run
     records = {label: pool(rounds) for label, rounds in measured.items()}
-    return link_check, [failed.get(run["label"]) or records[run["label"]] for run in runs]
+    return link_check, probed, [failed.get(run["label"]) or records[run["label"]] for run in runs]
 
 
 def ranks_deadline(settings: dict, runs: int, link: dict | None) -> float:
@@ -517,26 +564,30 @@ def derive(records: list[dict]) -> None:
             record["comm_speedup_vs_flat"] = common.ratio(reference, record["comm_ms"])
 
 
-def add_predictions(records: list[dict], world_size: int) -> None:
+def add_predictions(records: list[dict], world_size: int, probed: dict | None = None) -> None:
     """The planner's predicted communication a step of dense and each static gradcomp run,
-    from the stored profile on this run's link (a limited loopback carries every rank's
-    sends: each rank gets the limit over the ranks; unlimited: the profile's own link),
-    against the observed (step minus compute-only). auto's is its plan's own (the link
-    and codecs the hook measured in the run), where it planned. Each bucket's whole time:
-    on CPUs the reductions compete with the backward pass for the cores, and crediting
-    the overlap (``planner.exposed_seconds`` with auto's ``ready_offsets``) missed more
+    against the observed (step minus compute-only): from ``probed`` (the profile measured in
+    the run, on its link) where given, else from the stored profile on this run's link (a
+    limited loopback carries every rank's sends: each rank gets the limit over the ranks;
+    unlimited: the profile's own link). auto's is its plan's own (the link and codecs the
+    hook measured in the run), where it planned. Each bucket's whole time: on CPUs the
+    reductions compete with the backward pass for the cores, and crediting the overlap
+    (``planner.exposed_seconds`` with auto's ``ready_offsets``) missed more
     (bench/README.md)."""
     for record in records:
         if record.get("name") == "auto" and not math.isnan(record.get("planned_comm_ms", math.nan)):
             record["predicted_comm_ms"] = record["planned_comm_ms"]
             record["model_error"] = common.ratio(record["planned_comm_ms"], record["comm_ms"]) - 1
-    try:
-        profile = planner.Profile.load()
-    except FileNotFoundError:
-        return
-    link = common.link_info()
-    if link:
-        profile = profile.with_link(link["bits_per_second"] / 8 / world_size)
+    if probed is not None:
+        profile, source = planner.Profile.from_json(probed), PROBED
+    else:
+        try:
+            profile, source = planner.Profile.load(), STORED
+        except FileNotFoundError:
+            return
+        link = common.link_info()
+        if link:
+            profile = profile.with_link(link["bits_per_second"] / 8 / world_size)
     for record in records:
         if record["failed"] or record["kind"] not in ("dense", "gradcomp") or record["name"] == "auto":
             continue
@@ -552,6 +603,11 @@ def add_predictions(records: list[dict], world_size: int) -> None:
             continue
         record["predicted_comm_ms"] = 1e3 * seconds
         record["model_error"] = common.ratio(1e3 * seconds, record["comm_ms"]) - 1
+        record["predicted_from"] = source
+
+
+# Where a static run's predicted communication came from.
+PROBED, STORED = "a probe in the run", "the stored profile"
 
 
 def format_report(records: list[dict]) -> str:
@@ -683,6 +739,19 @@ def describe_link(check: dict) -> str:
     return text
 
 
+def describe_probe(profile: planner.Profile) -> str:
+    """The in-run probe the static runs' predictions come from, in a line."""
+    codecs = ", ".join(
+        f"{name} {codec.encode.rate / 1e6:.0f}/{codec.decode.rate / 1e6:.0f}"
+        for name, codec in profile.codecs.items()
+    )
+    text = (
+        f"probe (after the first round's runs): all_reduce {profile.link.bandwidth * 8 / 1e9:.3g} Gbit/s "
+        f"per rank, {profile.link.latency * 1e6:.3g} us a ring step"
+    )
+    return text + (f"; codecs, encode/decode M elements/s: {codecs}" if codecs else "")
+
+
 def describe_levels(check: dict, rate_bits: float) -> str:
     """The emulation check in words: each level's rate against the limit."""
     inter, limit = check["inter_gbit_per_s"], rate_bits / 1e9
@@ -765,6 +834,7 @@ def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
                 comm_ms=record["comm_ms"],
                 predicted_comm_ms=record.get("predicted_comm_ms", math.nan),
                 model_error=record.get("model_error", math.nan),
+                predicted_from=record.get("predicted_from", ""),
                 note=record["note"],
                 candidate=record in static,
                 auto=record is auto,
@@ -807,12 +877,14 @@ def format_sweep(rows: list[dict]) -> str:
             verdict = "met" if r["x_dense"] <= AUTO_TARGET_DENSE else "NOT met"
             line += f" (target on the unlimited link <= {AUTO_TARGET_DENSE}x: {verdict})"
         lines.append(line)
-    for runs, source in (("static", "the stored profile"), ("auto", "its own measurements")):
+    for runs in ("static", "auto"):
         predicted = [
             r
             for r in rows
             if not math.isnan(r["predicted_comm_ms"]) and r.get("auto", False) == (runs == "auto")
         ]
+        sources = sorted({r.get("predicted_from") or STORED for r in predicted})
+        source = "its own measurements" if runs == "auto" else " and ".join(sources)
         if predicted:
             # A step no slower than compute-only leaves no communication to compare with:
             # counted, not within.
@@ -894,13 +966,13 @@ def main(argv: list[str] | None = None) -> int:
             if cluster:
                 facts["link"] = cluster.describe()
                 facts["machine"] += f", {args.nodes} emulated nodes, {args.inter_bandwidth} between them"
-            check, records = execute(runs, settings)
+            check, probed, records = execute(runs, settings)
     except common.RanksFailed as error:
         sys.stderr.write(f"ddp_train failed: {error}\n")
         return 1
     derive(records)
     if not cluster_mode:
-        add_predictions(records, args.spawn)
+        add_predictions(records, args.spawn, probed)
     print(describe(settings, records))
     if cluster_mode:
         print(f"cluster: {facts['link']}")
@@ -908,7 +980,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(describe_link(check))
     print(format_report(records))
-    paths = results.write(records, extra=dict(link_check=check))
+    if probed is not None:
+        print(describe_probe(planner.Profile.from_json(probed)))
+    paths = results.write(records, extra=dict(link_check=check, probe=probed))
     png = results.path("png")
     plot(records, f"ddp_train: {results.machine['machine']}", png)
     print(f"wrote {', '.join([*paths, png])}")

@@ -467,19 +467,24 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
             assert row["best_static"] in ("dense", "int8") and float(row["x_best_static"]) > 0
             assert row["note"].startswith("auto: ")
             assert float(row["predicted_comm_ms"]) > 0  # its plan's, from what the hook measured
-        else:  # predicted from the stored profile on that link
-            assert float(row["predicted_comm_ms"]) > 0
-    # The prediction on the limited link: the stored profile with 100 Mbit/s shared by the 2 ranks.
+        else:  # predicted from the probe in the run on that link
+            assert float(row["predicted_comm_ms"]) > 0 and row["predicted_from"] == "a probe in the run"
+    # The prediction on the limited link: from the probe the run made on it, after its runs,
+    # of the link and of the static runs' codecs at the model's bucket sizes.
     from gradcomp import planner
 
     buckets = next(r for r in limited["records"] if r["run"] == "dense")["bucket_numels"]
-    on_link = planner.Profile.load().with_link(100e6 / 8 / 2)
-    expected = sum(planner.predict("none", n, 2, on_link).seconds for n in buckets)
+    probed = planner.Profile.from_json(limited["probe"])
+    assert list(probed.codecs) == ["int8"] and probed.world_size == 2
+    expected = sum(planner.predict("none", n, 2, probed).seconds for n in buckets)
+    int8 = sum(planner.predict("int8", n, 2, probed).seconds for n in buckets)
     assert buckets and sum(buckets) == 32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    dense = {r["link"]: float(r["predicted_comm_ms"]) for r in rows if r["run"] == "dense"}
-    assert dense["100mbit"] == pytest.approx(1e3 * expected) and dense["100mbit"] > dense["none"]
+    predicted = {(r["link"], r["run"]): float(r["predicted_comm_ms"]) for r in rows}
+    assert predicted["100mbit", "dense"] == pytest.approx(1e3 * expected)
+    assert predicted["100mbit", "int8"] == pytest.approx(1e3 * int8)
     assert "100mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
-    assert "cost model (the stored profile): " in result.stdout and " of 4 static runs" in result.stdout
+    assert "cost model (a probe in the run): " in result.stdout and " of 4 static runs" in result.stdout
+    assert "probe (after the first round's runs): all_reduce " in result.stdout
     assert "cost model (its own measurements): " in result.stdout and " of 2 auto runs" in result.stdout
     # auto's prediction is its plan's: the planned buckets' predicted seconds, in ms.
     auto = next(r for r in limited["records"] if r["run"] == "auto")
@@ -565,6 +570,16 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
         "cost model (its own measurements): 1 of 3 auto runs predicted within 25% of the observed "
         "communication (1 with no communication observed: step within compute-only)"
     ) in text
+    # A probe of the run's own machine and link predicts instead of the stored profile.
+    from gradcomp import planner
+
+    probed = planner.Profile.load().with_link(1e6)  # 1 MB/s a rank: slower than any stored link
+    ddp_train.add_predictions(slow, 2, probed.to_json())
+    dense = 1e3 * planner.predict("none", 2**20, 2, probed).seconds
+    assert slow[1]["predicted_comm_ms"] == pytest.approx(dense) and dense > 1e3 * 4 * 2**20 / 1e6
+    assert slow[2]["predicted_from"] == "a probe in the run" and "model_error" in slow[2]
+    text = ddp_train.format_sweep(ddp_train.sweep_rows([("1gbit", {"records": slow})]))
+    assert "cost model (a probe in the run): 0 of 3 static runs" in text
 
 
 def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
