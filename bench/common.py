@@ -371,8 +371,13 @@ class Progress:
         )
 
     def update(self, done: int, note: str = "") -> None:
+        if self.bar.disable:
+            return
+        changed = note != self.bar.desc
         self.bar.set_description_str(note, refresh=False)
         self.bar.update(done - self.bar.n)
+        if changed:
+            self.bar.refresh()  # a new note shows at once, however soon after the last redraw
 
     def close(self) -> None:
         self.bar.close()
