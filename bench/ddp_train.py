@@ -439,8 +439,13 @@ def _static_compressor(run: dict):
     """The compressor of a static gradcomp run (not auto's), else None."""
     if run["kind"] != "gradcomp" or run["name"] == "auto":
         return None
-    options = {k: v for k, v in run["options"].items() if k not in common.HOOK_OPTIONS}
-    return gradcomp.get_compressor(run["name"], **options)
+    return _compressor_of(run)
+
+
+def _compressor_of(run: dict):
+    """The compressor a run (or its record) reduces through: ``none`` for dense."""
+    options = {k: v for k, v in run.get("options", {}).items() if k not in common.HOOK_OPTIONS}
+    return gradcomp.get_compressor(run.get("name") or "none", **options)
 
 
 # ----------------------------------------------------------------------------- driver and report
@@ -591,10 +596,9 @@ def add_predictions(records: list[dict], world_size: int, probed: dict | None = 
     for record in records:
         if record["failed"] or record["kind"] not in ("dense", "gradcomp") or record["name"] == "auto":
             continue
-        options = {k: v for k, v in record["options"].items() if k not in common.HOOK_OPTIONS}
         algorithm, inter = record["options"].get("algorithm"), record["options"].get("inter_algorithm")
         try:
-            compressor = gradcomp.get_compressor(record["name"] or "none", **options)
+            compressor = _compressor_of(record)
             seconds = sum(
                 planner.predict(compressor, n, world_size, profile, algorithm, inter).seconds
                 for n in record["bucket_numels"]
