@@ -419,27 +419,14 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
     return dict(link_check=check, records=records, probe=probed)
 
 
-# The probe's all-reduce sizes (elements), at most the largest bucket's: as `gradcomp probe`.
-PROBE_LINK_SIZES = (2**12, 2**16, 2**20, 2**22)
-
-
 def probe_machine(runs: list[dict], records: list[dict]) -> planner.Profile:
     """What the cost model knows of this machine, measured now on the run's own link and
-    ranks (``planner.probe``): the link, and the static gradcomp runs' codecs at the
-    model's bucket sizes."""
+    ranks (``planner.probe``): the link at the sizes auto times it at for these buckets,
+    and the static gradcomp runs' codecs at the buckets' sizes."""
     buckets = next(r["bucket_numels"] for r in records if r.get("bucket_numels"))
-    largest = max(buckets)
-    sizes = sorted({min(size, largest) for size in PROBE_LINK_SIZES})
-    compressors = [compressor for run in runs if (compressor := _static_compressor(run)) is not None]
-    profile, _ = planner.probe(sizes, compressors, codec_sizes=sorted(set(buckets)))
+    static = [_compressor_of(run) for run in runs if run["kind"] == "gradcomp" and run["name"] != "auto"]
+    profile, _ = planner.probe(planner.link_sizes(buckets), static, codec_sizes=sorted(set(buckets)))
     return profile
-
-
-def _static_compressor(run: dict):
-    """The compressor of a static gradcomp run (not auto's), else None."""
-    if run["kind"] != "gradcomp" or run["name"] == "auto":
-        return None
-    return _compressor_of(run)
 
 
 def _compressor_of(run: dict):
@@ -887,8 +874,8 @@ def format_sweep(rows: list[dict]) -> str:
             for r in rows
             if not math.isnan(r["predicted_comm_ms"]) and r.get("auto", False) == (runs == "auto")
         ]
-        sources = sorted({r.get("predicted_from") or STORED for r in predicted})
-        source = "its own measurements" if runs == "auto" else " and ".join(sources)
+        sources = {r.get("predicted_from") or STORED for r in predicted}
+        source = "its own measurements" if runs == "auto" else " and ".join(sorted(sources))
         if predicted:
             # A step no slower than compute-only leaves no communication to compare with:
             # counted, not within.
