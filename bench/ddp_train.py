@@ -740,6 +740,10 @@ def describe_probe(profile: planner.Profile) -> str:
         f"probe (after the first round's runs): all_reduce {profile.link.bandwidth * 8 / 1e9:.3g} Gbit/s "
         f"per rank, {profile.link.latency * 1e6:.3g} us a ring step"
     )
+    links = {"all_reduce": profile.link, **profile.links}
+    per_byte = {name: link.cpu_seconds_per_byte for name, link in links.items()}
+    cpu = ", ".join(f"{name} {seconds * 1e9:.2g}" for name, seconds in per_byte.items() if seconds)
+    text += f"; the transport's CPU ms a MB sent: {cpu}" if cpu else ""
     return text + (f"; codecs, encode/decode M elements/s: {codecs}" if codecs else "")
 
 

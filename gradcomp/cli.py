@@ -428,7 +428,7 @@ def _probe(args) -> int:
         _probe_rank, args.world_size, args.sizes, specs, args.codec_sizes, args.repeat
     )
     _print_table(
-        ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s"],
+        ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s", "transport CPU ms"],
         [
             [
                 r["collective"],
@@ -436,14 +436,17 @@ def _probe(args) -> int:
                 f"{r['bytes_sent']:,}",
                 f"{r['seconds'] * 1e3:.3g}",
                 f"{r['bytes_sent'] * 8 / r['seconds'] / 1e9:.3g}",
+                f"{r['cpu_seconds'] * 1e3:.3g}" if "cpu_seconds" in r else "-",
             ]
             for r in rows
         ],
     )
     for name, link in (("all_reduce", profile.link), *profile.links.items()):
         step = "one way" if name == "pingpong" else "per ring step"
+        cpu = link.cpu_seconds_per_byte
         print(
             f"fit, {name}: {link.latency * 1e6:.3g} us {step}, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
+            + (f"; the transport takes {cpu * 1e9:.3g} ms of the host's CPU a MB sent" if cpu else "")
         )
     _print_table(
         ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],

@@ -205,7 +205,11 @@ class Profile:
         """This profile on another link (bytes/s per rank, seconds per step), every
         collective on it (the collectives' own fits were measured on the old one, and
         so were its nodes: they go too)."""
-        link = scale.Link(bandwidth or self.link.bandwidth, self.link.latency if latency is None else latency)
+        link = dataclasses.replace(
+            self.link,
+            bandwidth=bandwidth or self.link.bandwidth,
+            latency=self.link.latency if latency is None else latency,
+        )  # the host's CPU time a byte stays: it is not the wire's
         return dataclasses.replace(self, link=link, links={}, nodes=None)
 
     @property
@@ -319,9 +323,11 @@ def predict(
     A two_phase or allgather all-reduce of a long CPU tensor (dense payloads) runs as a
     pipeline of ``S`` segments (:func:`gradcomp.collectives.two_phase_segments`,
     :func:`gradcomp.collectives.allgather_segments`): one segment's
-    codec work overlaps another's exchange, so of the exchange ``X`` and the
-    codec ``C`` only ``max(X, C) + min(X, C) / S`` remains (a pipeline's fill
-    and drain). A profile measured on a CPU says so in its device name."""
+    codec work overlaps another's exchange while the exchange waits on the wire,
+    not while the transport's own CPU time ``T`` runs (it takes the cores the codec
+    needs: :class:`gradcomp.collectives.scale.Link`): of the exchange ``X`` and the codec
+    ``C``, ``min(X - T, C) (1 - 1/S)`` overlaps (a pipeline's fill and drain keep the
+    rest). A profile measured on a CPU says so in its device name."""
     compressor = candidate(compressor)
     if compressor.low_rank:
         raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
@@ -347,7 +353,8 @@ def predict(
         align = getattr(compressor, "block", 1)
         ranks = world_size if algorithm == "two_phase" else 1  # allgather's segments are whole
         segments = len(two_phase_segments(numel, ranks, align, torch.device("cpu")))
-        overlap = min(exchange, codec) * (1 - 1 / segments)
+        waiting = exchange - cost.cpu_seconds(profile.link, profile.links)
+        overlap = min(waiting, codec) * (1 - 1 / segments)
     return Prediction(label(compressor), algorithm, numel, cost.bytes_sent, exchange, codec, overlap)
 
 
@@ -525,7 +532,11 @@ def _slowest_links(fits: list[dict[str, scale.Link]]) -> dict[str, scale.Link]:
 
 
 def _slowest_link(links: list[scale.Link]) -> scale.Link:
-    return scale.Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+    return scale.Link(
+        min(x.bandwidth for x in links),
+        max(x.latency for x in links),
+        max(x.cpu_seconds_per_byte for x in links),
+    )
 
 
 # ----------------------------------------------------------------------------- all_reduce(t, "auto")
@@ -687,6 +698,49 @@ def _median_seconds(fn, repeat: int, clock=time.perf_counter) -> float:
     return statistics.median(times)
 
 
+def _other_threads_cpu() -> dict[int, float]:
+    """The CPU seconds of this process's other Python threads (the backward pass's, a busy
+    thread's), by thread; empty where the platform cannot tell."""
+    me, seconds = threading.get_ident(), {}
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident == me:
+            continue
+        try:
+            seconds[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # no per-thread clocks here, or the thread has ended
+            continue
+    return seconds
+
+
+def _transport_cpu(fn) -> tuple[float, float]:
+    """Wall and CPU seconds of ``fn()``: the process's CPU time (the transport's own threads
+    and this one), less what its other Python threads computed meanwhile."""
+    others, began, cpu = _other_threads_cpu(), time.perf_counter(), time.process_time()
+    fn()
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    after = _other_threads_cpu()
+    cpu -= sum(after[ident] - at for ident, at in others.items() if ident in after)
+    return wall, min(max(cpu, 0.0), wall)
+
+
+def _timed_collective(fn, repeat: int, device: torch.device) -> tuple[float, float]:
+    """Median wall seconds of ``fn()`` and, on a CPU device, the median CPU seconds of its
+    transport (:func:`_transport_cpu`; elsewhere 0: a GPU's collectives leave the host free)."""
+    if device.type != "cpu":
+        return _median_seconds(fn, repeat), 0.0
+    fn()  # warm
+    walls, cpus = zip(*(_transport_cpu(fn) for _ in range(repeat)), strict=True)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _cpu_per_byte(rows: list[dict]) -> float:
+    """The transport's CPU seconds a byte sent, fitted over ``rows`` (0 where none measured it)."""
+    if not any(r.get("cpu_seconds") for r in rows):
+        return 0.0
+    line = Linear.fit([r["bytes_sent"] for r in rows], [r["cpu_seconds"] for r in rows])
+    return 1.0 / line.rate
+
+
 # What a CPU codec competes with while it runs in training: a layer's forward and
 # weight-gradient matmuls (batch x width @ width x width, and back), streaming a
 # width x width fp32 weight through memory as a backward pass of a wide layer does.
@@ -742,7 +796,9 @@ def busy(device: torch.device) -> typing.Iterator[None]:
 def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> tuple[scale.Link, list[dict]]:
     """Time dense fp32 all-reduces of ``sizes`` elements on ``device`` (default: CUDA for an NCCL
     group, else CPU) over ``group`` and fit ``steps * latency + bytes / bandwidth`` (the scale
-    model's ring). Every rank must call it; every rank gets the slowest rank's times."""
+    model's ring). Every rank must call it; every rank gets the slowest rank's times. On a CPU,
+    also the transport's CPU time (``cpu_seconds`` in each row, :func:`_transport_cpu`),
+    fitted per byte sent: the part of a collective that takes the host's cores."""
     world = dist.get_world_size(group)
     device = torch.device(device or default_device(group))
     rows = []
@@ -750,12 +806,17 @@ def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> 
         tensor = torch.ones(numel, device=device)
         once = functools.partial(_all_reduce_once, tensor, group)
         dist.barrier(group=group)
-        seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64, device=device)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-        rows.append(
-            dict(numel=numel, bytes_sent=ring_all_reduce_bytes(numel * 4, world), seconds=seconds.item())
-        )
+        seconds = _slowest_rank(_timed_collective(once, repeat, device), group, device)
+        rows.append(dict(numel=numel, bytes_sent=ring_all_reduce_bytes(numel * 4, world), **seconds))
     return fit_link(rows, world), rows
+
+
+def _slowest_rank(timed: tuple[float, float], group, device: torch.device) -> dict:
+    """The most of every rank's (wall, CPU) seconds, as a row's ``seconds`` and ``cpu_seconds``."""
+    seconds = torch.tensor(timed, dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    wall, cpu = seconds.tolist()
+    return dict(seconds=wall, cpu_seconds=cpu) if device.type == "cpu" else dict(seconds=wall)
 
 
 def measure_collectives(
@@ -764,7 +825,8 @@ def measure_collectives(
     """Like :func:`measure_link`, for the collectives the compressed algorithms use: an
     all-gather whose output holds ``n`` fp32 elements (``n / W`` from each rank) and an
     all-to-all of ``n`` elements a rank; each fitted as ``(W-1) latency + bytes / bandwidth``
-    (bytes one rank sends, ring schedules). Every rank must call it."""
+    (bytes one rank sends, ring schedules), and on a CPU the transport's CPU time per byte
+    (as :func:`measure_link`). Every rank must call it."""
     world = dist.get_world_size(group)
     device = torch.device(device or default_device(group))
     links, rows = {}, []
@@ -776,12 +838,12 @@ def measure_collectives(
             output = torch.empty(part * world, device=device)
             once = functools.partial(_collective_once, name, output, source, group)
             dist.barrier(group=group)
-            seconds = torch.tensor([_median_seconds(once, repeat)], dtype=torch.float64, device=device)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-            mine.append(dict(collective=name, numel=part * world, bytes_sent=part * 4 * (world - 1)))
-            mine[-1]["seconds"] = seconds.item()
+            seconds = _slowest_rank(_timed_collective(once, repeat, device), group, device)
+            mine.append(
+                dict(collective=name, numel=part * world, bytes_sent=part * 4 * (world - 1), **seconds)
+            )
         line = Linear.fit([r["bytes_sent"] for r in mine], [r["seconds"] for r in mine])
-        links[name] = scale.Link(line.rate, line.overhead / max(world - 1, 1))
+        links[name] = scale.Link(line.rate, line.overhead / max(world - 1, 1), _cpu_per_byte(mine))
         rows += mine
     return links, rows
 
@@ -867,7 +929,7 @@ def fit_link(rows: list[dict], world_size: int) -> scale.Link:
     if steps == 0:  # one rank sends nothing: any link will do
         return scale.Link(_FASTEST, 0.0)
     line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
-    return scale.Link(line.rate, line.overhead / steps)
+    return scale.Link(line.rate, line.overhead / steps, _cpu_per_byte(rows))
 
 
 def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", repeat: int = 5) -> Codec:

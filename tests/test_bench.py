@@ -485,6 +485,7 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
     assert "100mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
     assert "cost model (a probe in the run): " in result.stdout and " of 4 static runs" in result.stdout
     assert "probe (after the first round's runs): all_reduce " in result.stdout
+    assert "the transport's CPU ms a MB sent: all_reduce " in result.stdout
     assert "cost model (its own measurements): " in result.stdout and " of 2 auto runs" in result.stdout
     # auto's prediction is its plan's: the planned buckets' predicted seconds, in ms.
     auto = next(r for r in limited["records"] if r["run"] == "auto")

@@ -145,6 +145,61 @@ def test_a_pipelined_two_phase_on_cpus_overlaps_its_codec_with_its_exchange():
     assert planner.predict("topk", long, 4, on_cpu, "two_phase").overlap_seconds == 0
 
 
+def test_the_transports_cpu_time_overlaps_no_codec():
+    # On CPUs a collective's transport copies the bytes on the cores the codec runs on: only
+    # its wait on the wire overlaps a pipeline's codec work.
+    on_cpu = dataclasses.replace(profile(GBIT, rate=1e8), device="2 CPUs (test)")
+    numel = 12 * 2**20
+    free = planner.predict("int8", numel, 2, on_cpu, "allgather")
+    segments = round(1 / (1 - free.overlap_seconds / min(free.exchange_seconds, free.codec_seconds)))
+    assert segments == 12  # the whole exchange waits on the wire: the overlap as before
+    cost = scale.cost("int8", numel, 2, "allgather")
+    for share in (0.25, 0.5, 1.0, 2.0):  # the CPU time a byte: that share of the wire's
+        busy = dataclasses.replace(on_cpu.link, cpu_seconds_per_byte=share / GBIT)
+        on = dataclasses.replace(on_cpu, link=busy)
+        p = planner.predict("int8", numel, 2, on, "allgather")
+        assert (p.exchange_seconds, p.codec_seconds) == (free.exchange_seconds, free.codec_seconds)
+        transport = min(share * cost.bytes_sent / GBIT, p.exchange_seconds)  # at most the exchange
+        assert cost.cpu_seconds(busy) == pytest.approx(transport)
+        waiting = p.exchange_seconds - transport
+        assert p.overlap_seconds == pytest.approx(min(waiting, p.codec_seconds) * (1 - 1 / segments))
+        assert p.overlap_seconds < free.overlap_seconds or waiting >= p.codec_seconds
+    assert on.link.cpu_seconds_per_byte and p.overlap_seconds == 0  # all CPU: nothing overlaps
+    # Each collective on its own fit's CPU time; a link without one (a GPU's, a typed link) has none.
+    gather = scale.Link(GBIT, 0.0, 1 / GBIT)
+    assert scale.cost("int8", numel, 2, "allgather").cpu_seconds(on_cpu.link, {"all_gather": gather}) == (
+        pytest.approx(cost.bytes_sent / GBIT)
+    )
+    assert cost.cpu_seconds(on_cpu.link) == 0
+    # Another wire keeps the host's CPU time a byte.
+    assert on.with_link(GBIT / 10).link == scale.Link(GBIT / 10, on.link.latency, 2 / GBIT)
+
+
+def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads():
+    stop = threading.Event()
+
+    def compute():  # another Python thread (the backward pass, say) computes throughout
+        while not stop.is_set():
+            pass
+
+    other = threading.Thread(target=compute, daemon=True)
+    other.start()
+    try:
+        wall, cpu = planner._transport_cpu(lambda: time.sleep(0.2))  # waits: no CPU of its own
+        assert wall >= 0.2 and cpu < 0.05
+
+        def spin():
+            began = time.thread_time()
+            while time.thread_time() - began < 0.1:
+                pass
+
+        wall, cpu = planner._transport_cpu(spin)  # this thread's own CPU time counts
+        assert 0.08 <= cpu <= wall
+    finally:
+        stop.set()
+        other.join()
+
+
 def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
     numel = 2**20
     pairs = ("int8", "two_phase"), ("int8", "allgather"), ("topk", "two_phase"), ("none", "dense")
@@ -167,17 +222,25 @@ def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
 
 def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     fast, slow = profile(10 * GBIT, 10e-6, rate=2e9), profile(GBIT, 30e-6, rate=1e9, overhead=1e-4)
-    fast = dataclasses.replace(fast, links={"all_gather": scale.Link(GBIT, 5e-6), "all_to_all": fast.link})
-    slow = dataclasses.replace(slow, links={"all_gather": scale.Link(2 * GBIT, 50e-6)})
+    fast = dataclasses.replace(
+        fast, links={"all_gather": scale.Link(GBIT, 5e-6, 1e-9), "all_to_all": fast.link}
+    )
+    slow = dataclasses.replace(slow, links={"all_gather": scale.Link(2 * GBIT, 50e-6, 1e-10)})
     both = planner.combine([fast, slow])
     assert both.link == scale.Link(GBIT, 30e-6)
-    # Per collective too, where every rank has a fit of it.
-    assert both.links == {"all_gather": scale.Link(GBIT, 50e-6)}
+    # Per collective too, where every rank has a fit of it; the most CPU time a byte.
+    assert both.links == {"all_gather": scale.Link(GBIT, 50e-6, 1e-9)}
     assert both.codecs["int8"].encode == planner.Linear(1e-4, 1e9)
     path = tmp_path / "profile.json"
     both.save(path)
     assert planner.Profile.load(path) == both
     assert json.loads(path.read_text())["link"]["bandwidth"] == GBIT
+    # A profile saved before links had a CPU time loads with none.
+    data = json.loads(path.read_text())
+    for link in (data["link"], *data["links"].values()):
+        del link["cpu_seconds_per_byte"]
+    path.write_text(json.dumps(data))
+    assert planner.Profile.load(path).links["all_gather"] == scale.Link(GBIT, 50e-6)
 
 
 STAGES = planner.Linear(1e-4, 1e9)  # a node's dense stages: 0.1 ms, then 1G elements a second
@@ -323,6 +386,11 @@ def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
         *((name, n) for name in ("all_gather", "all_to_all") for n in (255, 4095)),
     ]
     assert all(r["seconds"] > 0 for r in rows)
+    # On CPUs, the transport's CPU time too: some, never more than the wall time.
+    assert all(0 <= r["cpu_seconds"] <= r["seconds"] for r in rows)
+    assert sum(r["cpu_seconds"] for r in rows) > 0
+    links = [everyone[0].link, *everyone[0].links.values()]
+    assert all(link.cpu_seconds_per_byte > 0 for link in links)
     # Bytes one rank sends: ring all-reduce 2 (W-1)/W n, all-gather and all-to-all (W-1) n/W.
     assert [r["bytes_sent"] for r in rows if r["numel"] in (4095, 4096)] == [
         2 * 2 * 4096 * 4 // 3,
@@ -473,6 +541,7 @@ def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "us per ring step" in text and "wrote" in text
     assert "fit, pingpong: " in text and " us one way" in text
+    assert "transport CPU ms" in text and "ms of the host's CPU a MB sent" in text
     measured = planner.Profile.load(out)
     assert set(measured.links) == {"all_gather", "all_to_all", "pingpong"}
     assert set(measured.codecs) == {"int8", "int4"} and measured.link.bandwidth > 0

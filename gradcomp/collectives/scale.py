@@ -29,10 +29,15 @@ from gradcomp.payload import buffer_size
 @dataclasses.dataclass(frozen=True)
 class Link:
     """A link of ``bandwidth`` bytes per second (what one rank can send) and
-    ``latency`` seconds per step of a collective."""
+    ``latency`` seconds per step of a collective; ``cpu_seconds_per_byte``: the
+    CPU time the transport takes on the sending rank's host for each byte it
+    sends (0: none, as on a GPU's collectives, or not measured). On a CPU
+    machine that time is spent on the cores the codecs and the backward
+    pass run on: none of it overlaps them, whatever the wire's speed."""
 
     bandwidth: float
     latency: float
+    cpu_seconds_per_byte: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,16 @@ class Cost:
         for name, nbytes, steps in self.phases:
             on = links.get(name, link)
             total += steps * on.latency + nbytes / on.bandwidth
+        return total
+
+    def cpu_seconds(self, link: Link, links: dict | None = None) -> float:
+        """Of :meth:`seconds`, the transport's CPU time on the host (at most each phase's time)."""
+        phases = self.phases if links else (("", self.bytes_sent, self.steps),)
+        total = 0.0
+        for name, nbytes, steps in phases:
+            on = (links or {}).get(name, link)
+            whole = steps * on.latency + nbytes / on.bandwidth
+            total += min(nbytes * on.cpu_seconds_per_byte, whole)
         return total
 
 
