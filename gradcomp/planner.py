@@ -63,6 +63,10 @@ _FASTEST = 1e15  # elements or bytes a second: the most a fit reports
 # gains there were 10-30%.
 MARGIN = 0.25
 LINK_MAX = 2**22  # the largest all-reduce (fp32 elements) the link is timed at when planning
+# A probe times each codec this many times as often as the link: on the 2-core machine
+# two ranks' probes of int8 and int4 at the 25 MB buckets spread 65-103 and 94-132 ms
+# over 4 probes of 5 repeats, 73-83 and 90-97 ms over 4 of 15.
+CODEC_REPEATS = 3
 
 
 def candidate(spec: str | Compressor) -> Compressor:
@@ -1021,6 +1025,7 @@ def probe(
     device=None,
     hierarchy=None,
     pingpong: bool = False,
+    codec_repeat: int | None = None,
 ):
     """Measure this group's link and, on every rank, each compressor's codec on ``device``
     (default: CUDA for an NCCL group, else CPU); every rank returns the same
@@ -1029,7 +1034,9 @@ def probe(
     With a ``hierarchy`` of several nodes of several ranks, its levels too
     (:func:`measure_nodes`; the codecs also at the shards' sizes). With ``pingpong``,
     a :func:`measure_pingpong` too, kept as ``links["pingpong"]`` (for people: no
-    algorithm is predicted on it)."""
+    algorithm is predicted on it). Each codec is timed ``codec_repeat`` times (default
+    ``CODEC_REPEATS`` times ``repeat``): on a shared CPU a codec's time varies more than
+    the link's, and its median settles only over more runs."""
     device = torch.device(device or default_device(group))
     link, rows = measure_link(sizes, group, repeat, device)
     for row in rows:
@@ -1052,7 +1059,8 @@ def probe(
         for spec in compressors:
             compressor = candidate(spec)
             if compressor.name != "none":
-                codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, repeat)
+                times = codec_repeat or CODEC_REPEATS * repeat
+                codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, times)
     world = dist.get_world_size(group)
     mine = Profile(
         device_name(device), link, codecs, world, f"{dist.get_backend(group)}, {world} ranks", links, nodes

@@ -363,7 +363,13 @@ def test_a_pingpong_times_messages_between_two_ranks_and_every_rank_gets_the_fit
 
 def _probe_body(rank, world_size):
     # Each rank measures its own codecs; the profiles must come back identical.
-    found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
+    timed, measure = [], planner.measure_codec
+    planner.measure_codec = lambda *args: timed.append(args[-1]) or measure(*args)
+    try:
+        found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
+    finally:
+        planner.measure_codec = measure
+    assert timed == [planner.CODEC_REPEATS]  # int8's, more often than the link's
     everyone = [None] * world_size
     dist.all_gather_object(everyone, found)
     plan = planner.choose([4096, 2**20], world_size, found.with_link(GBIT), candidates=("int8",))
