@@ -37,7 +37,10 @@ static runs' codecs at the model's bucket sizes (``planner.probe``, as
 communication for each static run comes from that profile (``--no-probe``:
 from the stored profile, on the run's link): a shared machine's speed
 drifts from day to day (bench/README.md), and a profile stored on another
-day does not tell how good the model is. Not on an emulated cluster.
+day does not tell how good the model is. On an emulated cluster the probe
+measures both levels too (the node's dense stages, and the links between
+nodes with every local rank's group at once), so the hierarchical runs are
+predicted as well.
 
 On an emulated cluster (``--nodes``, root only; see ``common.EmulatedCluster``)
 the default runs are dense, torch's fp16 hook, flat int8 (``two_phase``),
@@ -77,7 +80,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
 from gradcomp import planner
-from gradcomp.collectives import ring_all_reduce_bytes
+from gradcomp.collectives import queue_for, ring_all_reduce_bytes
+from gradcomp.collectives.hierarchical import hierarchy_for
 from gradcomp.demo import make_mlp
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
@@ -414,18 +418,23 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
     else:
         records = [train(rank, world_size, run, settings) for run in runs]
     probed = None
-    if link_check and settings["probe"] and not settings["nodes"]:
-        probed = probe_machine(runs, records).to_json()
+    if link_check and settings["probe"]:
+        probed = probe_machine(runs, records, nodes=bool(settings["nodes"])).to_json()
     return dict(link_check=check, records=records, probe=probed)
 
 
-def probe_machine(runs: list[dict], records: list[dict]) -> planner.Profile:
+def probe_machine(runs: list[dict], records: list[dict], nodes: bool = False) -> planner.Profile:
     """What the cost model knows of this machine, measured now on the run's own link and
     ranks (``planner.probe``): the link at the sizes auto times it at for these buckets,
-    and the static gradcomp runs' codecs at the buckets' sizes."""
+    and the static gradcomp runs' codecs at the buckets' sizes; with ``nodes`` (an
+    emulated cluster: its ranks have LOCAL_WORLD_SIZE), the levels of the hierarchy too."""
     buckets = next(r["bucket_numels"] for r in records if r.get("bucket_numels"))
     static = [_compressor_of(run) for run in runs if run["kind"] == "gradcomp" and run["name"] != "auto"]
-    profile, _ = planner.probe(planner.link_sizes(buckets), static, codec_sizes=sorted(set(buckets)))
+    static = list({planner.label(c): c for c in static}.values())  # flat and hierarchical share a codec
+    hierarchy = hierarchy_for(queue_for(None), None) if nodes else None
+    profile, _ = planner.probe(
+        planner.link_sizes(buckets), static, codec_sizes=sorted(set(buckets)), hierarchy=hierarchy
+    )
     return profile
 
 
@@ -652,6 +661,20 @@ def format_report(records: list[dict]) -> str:
             ]
         )
     return common.format_table(header, rows, left=(0, -1))
+
+
+def describe_model(records: list[dict]) -> str:
+    """How many static runs the cost model predicted within its target, in a line ("" if none)."""
+    static = [r for r in records if not r["failed"] and r.get("name") != "auto"]
+    predicted = [r for r in static if not math.isnan(r.get("predicted_comm_ms", math.nan))]
+    if not predicted:
+        return ""
+    within = sum(abs(r["model_error"]) <= MODEL_TARGET for r in predicted)
+    sources = " and ".join(sorted({r.get("predicted_from") or STORED for r in predicted}))
+    return (
+        f"cost model ({sources}): {within} of {len(predicted)} static runs predicted within "
+        f"{MODEL_TARGET:.0%} of the observed communication"
+    )
 
 
 def _predicted(record: dict) -> str:
@@ -966,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ddp_train failed: {error}\n")
         return 1
     derive(records)
-    if not cluster_mode:
+    if probed is not None or not cluster_mode:  # the stored profile knows no emulated cluster
         add_predictions(records, args.spawn, probed)
     print(describe(settings, records))
     if cluster_mode:
@@ -977,6 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(records))
     if probed is not None:
         print(describe_probe(planner.Profile.from_json(probed)))
+    summary = describe_model(records)
+    if summary:
+        print(summary)
     paths = results.write(records, extra=dict(link_check=check, probe=probed))
     png = results.path("png")
     plot(records, f"ddp_train: {results.machine['machine']}", png)

@@ -631,6 +631,8 @@ def test_convergence_target_says_when_a_run_diverged():
 @pytest.mark.slow
 @needs_namespaces
 def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
+    from gradcomp import planner
+
     before = _namespaces()
     args = [*TINY_MODEL, "--compressors", "int8:algorithm=hierarchical", "--baselines"]
     args += ["--nodes", "2", "--ranks-per-node", "2", "--inter-bandwidth", "100mbit"]
@@ -649,6 +651,16 @@ def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
     # Each local rank sends its int8 shard (half the model) to the other node only.
     assert 0 < float(hierarchical["inter_bytes_per_step"]) < float(hierarchical["bytes_per_step"])
     assert 0 < float(hierarchical["loss"]) < 3
+    # The probe in the run measured both levels, and the hierarchical run is predicted from it.
+    probed = planner.Profile.from_json(document["probe"])
+    assert (probed.nodes.count, probed.nodes.size) == (2, 2) and probed.world_size == 4
+    assert probed.nodes.link.bandwidth < 1.3 * 100e6 / 8  # between nodes: the limit, at most
+    record = next(r for r in document["records"] if r["run"] == "int8:algorithm=hierarchical")
+    buckets = record["bucket_numels"]
+    expected = sum(planner.predict("int8", n, 4, probed, "hierarchical").seconds for n in buckets)
+    assert record["predicted_from"] == "a probe in the run"
+    assert record["predicted_comm_ms"] == pytest.approx(1e3 * expected)
+    assert "cost model (a probe in the run): " in result.stdout and " of 2 static runs" in result.stdout
 
 
 @pytest.mark.slow
