@@ -81,7 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 import gradcomp
 from gradcomp import planner
 from gradcomp.collectives import queue_for, ring_all_reduce_bytes
-from gradcomp.collectives.hierarchical import hierarchy_for
+from gradcomp.collectives.hierarchical import nodes_for_auto
 from gradcomp.demo import make_mlp
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
@@ -431,7 +431,7 @@ def probe_machine(runs: list[dict], records: list[dict], nodes: bool = False) ->
     buckets = next(r["bucket_numels"] for r in records if r.get("bucket_numels"))
     static = [_compressor_of(run) for run in runs if run["kind"] == "gradcomp" and run["name"] != "auto"]
     static = list({planner.label(c): c for c in static}.values())  # flat and hierarchical share a codec
-    hierarchy = hierarchy_for(queue_for(None), None) if nodes else None
+    hierarchy = nodes_for_auto(queue_for(None), None) if nodes else None  # None: a flat probe
     profile, _ = planner.probe(
         planner.link_sizes(buckets), static, codec_sizes=sorted(set(buckets)), hierarchy=hierarchy
     )
@@ -764,6 +764,16 @@ def describe_probe(profile: planner.Profile) -> str:
         f"per rank, {profile.link.latency * 1e6:.3g} us a ring step"
     )
     links = {"all_reduce": profile.link, **profile.links}
+    nodes = profile.nodes
+    if nodes is not None:
+        text += (
+            f"; between nodes all_reduce {nodes.link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, "
+            f"{nodes.link.latency * 1e6:.3g} us a ring step; the node's stages "
+            f"{nodes.stages.rate / 1e6:.0f}M elements/s"
+        )
+        links |= {
+            f"{name} between nodes": link for name, link in {"all_reduce": nodes.link, **nodes.links}.items()
+        }
     per_byte = {name: link.cpu_seconds_per_byte for name, link in links.items()}
     cpu = ", ".join(f"{name} {seconds * 1e9:.2g}" for name, seconds in per_byte.items() if seconds)
     text += f"; the transport's CPU ms a MB sent: {cpu}" if cpu else ""

@@ -718,12 +718,16 @@ def _other_threads_cpu() -> dict[int, float]:
 
 def _transport_cpu(fn) -> tuple[float, float]:
     """Wall and CPU seconds of ``fn()``: the process's CPU time (the transport's own threads
-    and this one), less what its other Python threads computed meanwhile."""
-    others, began, cpu = _other_threads_cpu(), time.perf_counter(), time.process_time()
-    fn()
-    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
-    after = _other_threads_cpu()
-    cpu -= sum(after[ident] - at for ident, at in others.items() if ident in after)
+    and this one), less what its other Python threads computed meanwhile (one that started
+    meanwhile: all it computed). Threads that are not Python threads count as the
+    transport's: with several torch threads a rank, a backward pass's share of an op on
+    them too (an error towards less overlap credited)."""
+    cpu = time.process_time()
+    others, began = _other_threads_cpu(), time.perf_counter()  # inside the process's bracket:
+    fn()  # what the other threads compute between the readings is never subtracted unseen
+    wall, after = time.perf_counter() - began, _other_threads_cpu()
+    cpu = time.process_time() - cpu
+    cpu -= sum(seconds - others.get(ident, 0.0) for ident, seconds in after.items())
     return wall, min(max(cpu, 0.0), wall)
 
 
@@ -738,7 +742,9 @@ def _timed_collective(fn, repeat: int, device: torch.device) -> tuple[float, flo
 
 
 def _cpu_per_byte(rows: list[dict]) -> float:
-    """The transport's CPU seconds a byte sent, fitted over ``rows`` (0 where none measured it)."""
+    """The transport's CPU seconds a byte sent, fitted over ``rows`` (0 where none measured it).
+    The fit's CPU time a call is left out: what overlaps is a long tensor's pipeline, whose
+    segments are large."""
     if not any(r.get("cpu_seconds") for r in rows):
         return 0.0
     line = Linear.fit([r["bytes_sent"] for r in rows], [r["cpu_seconds"] for r in rows])
@@ -1059,7 +1065,7 @@ def probe(
         for spec in compressors:
             compressor = candidate(spec)
             if compressor.name != "none":
-                times = codec_repeat or CODEC_REPEATS * repeat
+                times = CODEC_REPEATS * repeat if codec_repeat is None else codec_repeat
                 codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, times)
     world = dist.get_world_size(group)
     mine = Profile(

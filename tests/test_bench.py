@@ -661,6 +661,7 @@ def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
     assert record["predicted_from"] == "a probe in the run"
     assert record["predicted_comm_ms"] == pytest.approx(1e3 * expected)
     assert "cost model (a probe in the run): " in result.stdout and " of 2 static runs" in result.stdout
+    assert "; between nodes all_reduce " in result.stdout and "all_reduce between nodes " in result.stdout
 
 
 @pytest.mark.slow

@@ -182,7 +182,7 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
         while not stop.is_set():
             pass
 
-    other = threading.Thread(target=compute, daemon=True)
+    other, started = (threading.Thread(target=compute, daemon=True) for _ in range(2))
     other.start()
     try:
         wall, cpu = planner._transport_cpu(lambda: time.sleep(0.2))  # waits: no CPU of its own
@@ -195,9 +195,24 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
 
         wall, cpu = planner._transport_cpu(spin)  # this thread's own CPU time counts
         assert 0.08 <= cpu <= wall
+
+        def start_another():  # a Python thread started meanwhile: none of its CPU time counts
+            started.start()
+            time.sleep(0.2)
+
+        wall, cpu = planner._transport_cpu(start_another)
+        assert wall >= 0.2 and cpu < 0.05
     finally:
         stop.set()
         other.join()
+        if started.is_alive():
+            started.join()
+
+
+def test_the_transports_cpu_time_is_fitted_per_byte_sent():
+    rows = [dict(bytes_sent=n, cpu_seconds=1e-4 + 2e-9 * n) for n in (2**16, 2**20, 2**24)]
+    assert planner._cpu_per_byte(rows) == pytest.approx(2e-9)  # the slope: a call's 0.1 ms left out
+    assert planner._cpu_per_byte([dict(bytes_sent=n, seconds=1.0) for n in (1, 2)]) == 0  # not measured
 
 
 def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
@@ -395,8 +410,11 @@ def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
     # On CPUs, the transport's CPU time too: some, never more than the wall time.
     assert all(0 <= r["cpu_seconds"] <= r["seconds"] for r in rows)
     assert sum(r["cpu_seconds"] for r in rows) > 0
-    links = [everyone[0].link, *everyone[0].links.values()]
-    assert all(link.cpu_seconds_per_byte > 0 for link in links)
+    fits = [("all_reduce", everyone[0].link), *everyone[0].links.items()]
+    assert all(
+        f.cpu_seconds_per_byte == planner._cpu_per_byte([r for r in rows if r["collective"] == c])
+        for c, f in fits
+    )
     # Bytes one rank sends: ring all-reduce 2 (W-1)/W n, all-gather and all-to-all (W-1) n/W.
     assert [r["bytes_sent"] for r in rows if r["numel"] in (4095, 4096)] == [
         2 * 2 * 4096 * 4 // 3,
