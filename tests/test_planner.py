@@ -646,6 +646,9 @@ def test_the_stored_cpu_profile_loads_and_plans():
     if not torch.cuda.is_available():  # the default on a machine without a GPU
         assert planner.Profile.load() == stored
     assert set(planner.SAFE) - {"none"} <= set(stored.codecs)
+    # Measured with the transport's CPU time (not a pingpong's: no algorithm runs on it).
+    fits = (stored.link, stored.links["all_gather"], stored.links["all_to_all"])
+    assert all(link.cpu_seconds_per_byte > 1e-12 for link in fits)
     plan = planner.choose([BUCKET, 1024], 16, stored.with_link(GBIT))
     assert plan[0].compressor in ("int8", "int4") and plan[1].compressor in ("none", "bf16")
 
