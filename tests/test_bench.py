@@ -654,7 +654,6 @@ def test_emulated_cluster_limits_only_the_links_between_nodes(tmp_path):
     # The probe in the run measured both levels, and the hierarchical run is predicted from it.
     probed = planner.Profile.from_json(document["probe"])
     assert (probed.nodes.count, probed.nodes.size) == (2, 2) and probed.world_size == 4
-    assert probed.nodes.link.bandwidth < 1.3 * 100e6 / 8  # between nodes: the limit, at most
     record = next(r for r in document["records"] if r["run"] == "int8:algorithm=hierarchical")
     buckets = record["bucket_numels"]
     expected = sum(planner.predict("int8", n, 4, probed, "hierarchical").seconds for n in buckets)
