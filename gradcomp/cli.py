@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import re
 import sys
 import time
@@ -45,6 +46,16 @@ def _at_least(minimum: int):
         return value
 
     return integer
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value
 
 
 def _quantity(units: dict[str, float], what: str, integer: bool = False):
@@ -124,11 +135,11 @@ def parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--world", type=_at_least(2), default=None, help="with --params: ranks (default 8)")
     plan.add_argument(
-        "--bucket-mb", type=float, default=25.0, help="with --params: DDP bucket size in MB (default 25)"
+        "--bucket-mb", type=_positive, default=25.0, help="with --params: DDP bucket size in MB (default 25)"
     )
     plan.add_argument(
         "--compute-ms",
-        type=float,
+        type=_positive,
         default=None,
         help="with --params: forward and backward time of a step, for the bound on the step's speedup",
     )
@@ -140,8 +151,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--profile",
         default=None,
-        help="with --params: a profile from 'gradcomp probe' (default: the stored profile of this kind of "
-        "machine); --bandwidth and --latency, when given, replace its link",
+        help="with --params: a profile from 'gradcomp probe' (default: the stored profile of a 2-core CPU "
+        "machine; none is stored for GPUs); --bandwidth and --latency, when given, replace its link",
     )
     plan.add_argument(
         "--node-size",
@@ -254,8 +265,15 @@ def _plan(args) -> int:
     from gradcomp.collectives import scale
 
     names = [name.strip() for name in args.compressors.split(",") if name.strip()]
+    if not names:
+        sys.stderr.write("gradcomp plan: --compressors names no compressor\n")
+        return 2
     link = scale.Link(args.bandwidth or 10e9 / 8, 20e-6 if args.latency is None else args.latency)
-    records = scale.table(names, args.numel, args.world_sizes, link)
+    try:
+        records = scale.table(names, args.numel, args.world_sizes, link)
+    except (ValueError, TypeError) as error:
+        sys.stderr.write(f"gradcomp plan: {error}\n")
+        return 2
     print(
         f"all-reduce of {args.numel:,} fp32 elements; link {link.bandwidth * 8 / 1e9:g} Gbit/s per rank, "
         f"{link.latency * 1e6:g} us per step; bytes one rank sends (ring model) and predicted ms"
@@ -322,20 +340,13 @@ def _buckets(params: int, bucket_mb: float) -> list[int]:
 def _decide(args) -> int:
     from gradcomp.collectives import scale
 
-    if args.params < 1 or args.bucket_mb <= 0:
-        sys.stderr.write("gradcomp plan: --params must be at least 1 and --bucket-mb positive\n")
+    if args.params < 1:
+        sys.stderr.write("gradcomp plan: --params must be at least 1\n")
         return 2
     try:
         profile = planner.Profile.load(args.profile)
-    except KeyError as error:
-        sys.stderr.write(f"gradcomp plan: {args.profile} is not a gradcomp profile (no {error})\n")
-        return 2
-    except (OSError, ValueError) as error:
-        sys.stderr.write(f"gradcomp plan: {error}\n")
-        return 2
-    try:
-        candidates = [planner.candidate(c) for c in args.allow.split(",") if c.strip()]
-    except (ValueError, TypeError) as error:
+        candidates = [planner.candidate(c) for c in planner.checked_candidates(args.allow)]
+    except (OSError, ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
     inside = profile.link

@@ -45,6 +45,7 @@ from gradcomp.collectives import (
     owner_ranges,
     queue_for,
     ring_all_reduce_bytes,
+    verify_settings,
 )
 from gradcomp.collectives.hierarchical import check_node_size, nodes_for_auto, shard_bounds, shard_key
 from gradcomp.compressors import Compressor, NoCompression, get_compressor
@@ -160,7 +161,9 @@ class HookState:
     the least predicted time (:func:`gradcomp.planner.choose`; ``none``
     included, so small buckets stay dense; on CPUs, a bucket whose dense
     reduction fits in the backward pass still to run stays dense too: the
-    hook notes when each bucket is handed over in the step before the plan). :attr:`plan` holds the choice
+    hook notes when each bucket is handed over in the step before the plan; each bucket
+    weighed in its gradients' dtype, and one under ``min_numel`` planned dense, as it is
+    sent). :attr:`plan` holds the choice
     (and, once a check has run, each bucket's observed milliseconds); it is
     kept in :meth:`state_dict`, so a resumed run reduces as the saved one did.
 
@@ -192,6 +195,11 @@ class HookState:
     until it ends; a checkpoint keeps a trial under way, and a resumed run
     times the turn it is in from its steps after its first.
 
+    At its first call (and the first after :meth:`load_state_dict`) the hook
+    compares every rank's settings and step (:meth:`agreement_settings`): where
+    they differ, every rank raises ``ValueError`` naming each rank's, instead of
+    issuing other collectives than its peers and hanging.
+
     Example:
         >>> state = HookState(gradcomp.get_compressor("int8"), warmup_steps=10)
         >>> ddp_model.register_comm_hook(state, hook)
@@ -221,6 +229,7 @@ class HookState:
         "_contender",
         "_marks",
         "_sizes",
+        "_dtypes",
         "_ready",
         "_offsets",
         "_planned_at",
@@ -235,6 +244,7 @@ class HookState:
         "_baseline",
         "_times",
         "_hooked_step",
+        "_agreed",
         "step",
         "feedback",
         "buckets",
@@ -266,15 +276,20 @@ class HookState:
     ):
         auto = is_auto(compressor)
         self.compressor = _DENSE if auto else get_compressor(compressor)  # auto: dense until planned
-        if not auto and (allow, profile, replan_every, trial_steps) != (None,) * 4:
-            raise ValueError("allow, profile, replan_every and trial_steps are options of compressor='auto'")
+        if not auto and (
+            (allow, profile, replan_every, trial_steps) != (None,) * 4 or (check_every, drift) != (10, 0.5)
+        ):
+            raise ValueError(
+                "allow, profile, check_every, drift, replan_every and trial_steps are options of "
+                "compressor='auto'"
+            )
         trial_steps = DEFAULT_TRIAL_STEPS if trial_steps is None else trial_steps
         for name, value in (("check_every", check_every), ("replan_every", replan_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if check_every is None:
             raise ValueError("check_every must be a positive integer, got None")
-        if drift is not None and (type(drift) not in (int, float) or drift <= 0):
+        if drift is not None and (type(drift) not in (int, float) or not 0 < drift < math.inf):
             raise ValueError(f"drift must be a positive fraction or None, got {drift!r}")
         valid_trial = isinstance(trial_steps, int) and not isinstance(trial_steps, bool)
         if not valid_trial or trial_steps < 0 or trial_steps == 1 or trial_steps > MAX_TRIAL_STEPS:
@@ -290,13 +305,16 @@ class HookState:
                     "(node_size, where given, says which ranks share a node)"
                 )
             allow = planner.checked_candidates(allow, profile)
-            warmup_steps = (
-                max(warmup_steps, AUTO_MIN_WARMUP) if isinstance(warmup_steps, int) else warmup_steps
-            )
+        for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if auto:
+            warmup_steps = max(warmup_steps, AUTO_MIN_WARMUP)
         self.allow = allow
         self.profile = profile
         self.plan: list | None = None
         self._sizes: dict[int, int] = {}
+        self._dtypes: dict[int, torch.dtype] = {}  # bucket -> its elements' type (the hook's, each step)
         self._ready: dict[int, float] = {}  # bucket -> when the hook had it, in the last step before the plan
         self._offsets: list[float] | None = None  # each bucket's, before the backward pass ends (the plan's)
         self._planned_at: int | None = None  # the step whose first bucket submitted the plan job
@@ -313,6 +331,7 @@ class HookState:
         # [[start, end], ...] events of the worker's stream on GPUs
         self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
+        self._agreed = False  # whether the ranks' settings were compared (the first hook call)
         # each trial: its plans' choices, their step times, its turns', which stayed
         self.trials: list[dict] = []
         self._trial: dict | None = None  # the trial under way: {"plans": [...], "seconds": [a turn's]}
@@ -320,9 +339,6 @@ class HookState:
         self._contender: list | None = None  # the last _choose's contender plan (worker)
         ops.check_forced_backend()
         self.process_group = process_group
-        for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("history", history)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self.warmup_steps = warmup_steps
         self.min_numel = min_numel
         self.algorithm = None if algorithm is None else check_algorithm(self.compressor, algorithm)
@@ -395,7 +411,7 @@ class HookState:
         self._offsets, self._ready = state.get("auto_ready"), {}
         self._planned_at = -1 if "plan" in state else None
         self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
-        self._hooked_step, self._replan_requested = -1, False
+        self._hooked_step, self._replan_requested, self._agreed = -1, False, False
         self.plan, self._chosen, self._adopted_at, self._last = None, [], None, {}
         self.trials, self._trial, self._marks = list(state.get("auto_trials", [])), None, {}
         self._contender = None
@@ -430,6 +446,29 @@ class HookState:
     def auto(self) -> bool:
         """Whether this state chooses its compressors (``compressor="auto"``)."""
         return self.allow is not None
+
+    def agreement_settings(self) -> dict:
+        """What every rank must share, the step included (a rank resumed from another
+        step's checkpoint would switch at other steps): the hook's first call compares them."""
+        agreed = {
+            "step": self.step,
+            "compressor": self._settings(),
+            "warmup_steps": self.warmup_steps,
+            "min_numel": self.min_numel,
+            "algorithm": self.algorithm,
+            "node_size": self.node_size,
+            "inter_algorithm": self.inter_algorithm,
+            "residual_dtype": self.feedback.dtype,
+        }
+        if self.auto:
+            agreed |= {
+                "check_every": self.check_every,
+                "drift": self.drift,
+                "replan_every": self.replan_every,
+                "trial_steps": self.trial_steps,
+                "profile": "given" if self.profile is not None else "measured",
+            }
+        return agreed
 
     def _settings(self) -> dict:
         if self.auto:
@@ -475,10 +514,16 @@ class HookState:
         if marks is not None and self._offsets is None:
             logger.info("gradcomp auto: planning without the overlap with the backward pass (no ready times)")
         ready = self._offsets
-        plan = planner.choose(sizes, q.world_size, profile, self.allow, ready=ready)
+        dtypes = [self._dtypes.get(index, torch.float32) for index in range(len(sizes))]
+        plan = planner.choose(sizes, q.world_size, profile, self.allow, ready=ready, dtypes=dtypes)
+        # Buckets under min_numel go dense whatever the plan says: the plan says so too.
+        plan = [
+            p if n >= self.min_numel else planner.predict("none", n, q.world_size, profile, dtype=dtype)
+            for n, p, dtype in zip(sizes, plan, dtypes, strict=True)
+        ]
         self._contender = None
         if self.trial_steps:
-            other = planner.contender(sizes, q.world_size, profile, plan, self.allow)
+            other = planner.contender(sizes, q.world_size, profile, plan, self.allow, dtypes=dtypes)
             # Buckets the hook reduces dense whatever the plan says cannot tell two plans apart.
             if other is not None:
                 other = [
@@ -638,9 +683,10 @@ class HookState:
         # future, the marks of when buckets were ready: CUDA events on GPUs, and of when steps began).
         if self._pending is not None:
             self._pending.wait()
-        dropped = ("process_group", "_pending", "_ready", "_marks")
+        dropped = ("process_group", "_pending", "_ready", "_marks", "_agreed")
         kept = {name: getattr(self, name) for name in self.__slots__ if name not in dropped}
-        return kept | {"_ready": {}, "_marks": {}}  # host clock readings mean nothing elsewhere
+        # host clock readings mean nothing elsewhere; another process compares its settings anew
+        return kept | {"_ready": {}, "_marks": {}, "_agreed": False}
 
     def __setstate__(self, state):
         for name, value in state.items():
@@ -908,11 +954,18 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         >>> ddp_model.register_comm_hook(HookState("int8"), hook)
     """
     q = queue_for(state.process_group)
+    buffer = bucket.buffer()
+    if not state._agreed:
+        # Ranks with other settings would issue other collectives (and hang): every rank
+        # raises here instead, at its first bucket.
+        settings = state.agreement_settings()
+        what = "the gradcomp DDP hook's settings"
+        q.submit(lambda: verify_settings(q, what, settings, buffer.device), buffer.device).wait()
+        state._agreed = True
     if state.algorithm == HIERARCHICAL:
         hierarchy_for(q, state.node_size)  # its groups are made here, on the first call, in order
     elif state.auto and q.world_size > 1:
         nodes_for_auto(q, state.node_size)  # likewise; the planner measures its levels
-    buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
     layout = state.buckets.layout_of(bucket)
     step = state.step
@@ -920,6 +973,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state.step += 1
     timed = None
     if state.auto:
+        state._dtypes[index] = buffer.dtype  # the plans weigh their bytes
         _plan_when_due(state, q, buffer, index, step)
         if state._planned_at is None:
             # Before the plan: when the backward pass hands each bucket over (on GPUs, an event

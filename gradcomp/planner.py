@@ -15,10 +15,10 @@ measurements one profile (the slowest of each), so every rank chooses alike.
 :class:`Auto` is ``gradcomp.all_reduce(tensor, "auto")``'s planner.
 
 Example:
-    >>> profile = planner.Profile.load()  # the stored profile of this kind of machine
+    >>> profile = planner.Profile.load()  # the stored 2-core CPU profile (on a CPU machine)
     >>> plan = planner.choose([6_553_600, 4096], 16, profile.with_link(1e9 / 8))  # 1 Gbit/s
-    >>> [(p.compressor, p.algorithm) for p in plan]  # on the stored 2-core CPU profile
-    [('int4', 'two_phase'), ('int4', 'allgather')]
+    >>> [(p.compressor, p.algorithm) for p in plan]
+    [('int4', 'two_phase'), ('int8', 'allgather')]
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def candidate(spec: str | Compressor) -> Compressor:
     """A compressor from ``"int8"``, ``"topk@0.01"``, ``"int4:block=128"`` or an instance."""
     if isinstance(spec, Compressor):
         return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a candidate is a compressor's name or a Compressor, got {spec!r}")
     name, at, value = spec.strip().partition("@")
     if at:
         option = _SHORT_OPTION.get(name.lower())
@@ -243,26 +245,95 @@ class Profile:
 
     @staticmethod
     def from_json(data: dict) -> Profile:
-        codecs = {k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()}
-        links = _links_from_json(data)
-        nodes = Nodes.from_json(data["nodes"]) if data.get("nodes") else None
-        return Profile(
-            data["device"], scale.Link(**data["link"]), codecs, data["world_size"], data["note"], links, nodes
-        )
+        """The profile :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: ``data`` is not one (a field missing or of another type, a rate or
+                bandwidth not positive, a latency or overhead negative), naming what.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"not a gradcomp profile: a JSON {type(data).__name__}, not an object")
+        try:
+            codecs = {
+                k: Codec(Linear(**c["encode"]), Linear(**c["decode"])) for k, c in data["codecs"].items()
+            }
+            links = _links_from_json(data)
+            nodes = Nodes.from_json(data["nodes"]) if data.get("nodes") else None
+            profile = Profile(
+                data["device"],
+                scale.Link(**data["link"]),
+                codecs,
+                data["world_size"],
+                data["note"],
+                links,
+                nodes,
+            )
+        except KeyError as error:
+            raise ValueError(f"not a gradcomp profile: no {error.args[0]!r}") from None
+        except (TypeError, AttributeError) as error:
+            raise ValueError(f"not a gradcomp profile: {error}") from None
+        _check_figures(profile)
+        return profile
 
     def save(self, path: str | pathlib.Path) -> None:
         pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @staticmethod
     def load(path: str | pathlib.Path | None = None) -> Profile:
-        """A profile from ``path``, or the stored one of this kind of machine."""
+        """A profile from ``path``, or the stored one: on a machine without a GPU, that of a
+        2-core CPU machine (``cpu.json``); none is stored for GPUs (probe one).
+
+        Raises:
+            FileNotFoundError: no ``path`` and no stored profile for this device.
+            ValueError: the file is not JSON or not a profile (:meth:`from_json`), naming it.
+        """
         if path is None:
             path = STORED / ("cuda.json" if torch.cuda.is_available() else "cpu.json")
             if not path.exists():
                 raise FileNotFoundError(
                     f"no stored profile for this device ({path.name}); measure one: python -m gradcomp probe"
                 )
-        return Profile.from_json(json.loads(pathlib.Path(path).read_text()))
+        text = pathlib.Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"{path}: not JSON ({error})") from None
+        try:
+            return Profile.from_json(data)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+
+def _check_figures(profile: Profile) -> None:
+    """ValueError unless every figure of ``profile`` is a number the model can use."""
+
+    def check(where: str, value, positive: bool) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"not a gradcomp profile: {where} is {value!r}, not a finite number")
+        if value <= 0 if positive else value < 0:
+            raise ValueError(f"{where} must be {'positive' if positive else 'at least 0'}, got {value!r}")
+
+    links = {"link": profile.link, **{f"links.{k}": v for k, v in profile.links.items()}}
+    if profile.nodes is not None:
+        links |= {"nodes.link": profile.nodes.link}
+        links |= {f"nodes.links.{k}": v for k, v in profile.nodes.links.items()}
+    for where, link in links.items():
+        check(f"{where}.bandwidth", link.bandwidth, True)
+        check(f"{where}.latency", link.latency, False)
+        check(f"{where}.cpu_seconds_per_byte", link.cpu_seconds_per_byte, False)
+    lines = {
+        f"codecs.{k}.{part}": getattr(c, part)
+        for k, c in profile.codecs.items()
+        for part in ("encode", "decode")
+    }
+    if profile.nodes is not None:
+        lines["nodes.stages"] = profile.nodes.stages
+    for where, line in lines.items():
+        check(f"{where}.rate", line.rate, True)
+        check(f"{where}.overhead", line.overhead, False)
+    world = profile.world_size
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"not a gradcomp profile: world_size is {world!r}, not a positive integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +387,10 @@ def predict(
     profile: Profile,
     algorithm: str | None = None,
     inter_algorithm: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Prediction:
-    """The predicted time of one all-reduce of ``numel`` fp32 elements.
+    """The predicted time of one all-reduce of ``numel`` elements of ``dtype`` (the bytes
+    are ``dtype``'s; the codecs' times per element are the profile's, measured on fp32).
 
     ``hierarchical`` (the profile must hold its :class:`Nodes`): the node's
     dense stages, then the compressed all-reduce of a shard (``numel`` over
@@ -336,9 +409,9 @@ def predict(
     if compressor.low_rank:
         raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
     if algorithm == HIERARCHICAL:
-        return _predict_hierarchical(compressor, numel, world_size, profile, inter_algorithm)
+        return _predict_hierarchical(compressor, numel, world_size, profile, inter_algorithm, dtype)
     algorithm = check_algorithm(compressor, algorithm, world_size)
-    cost = scale.cost(compressor, numel, world_size, algorithm)
+    cost = scale.cost(compressor, numel, world_size, algorithm, dtype)
     exchange = cost.seconds(profile.link, profile.links)
     if compressor.name == "none" or world_size == 1:
         codec = 0.0
@@ -363,7 +436,12 @@ def predict(
 
 
 def _predict_hierarchical(
-    compressor: Compressor, numel: int, world_size: int, profile: Profile, inter_algorithm: str | None
+    compressor: Compressor,
+    numel: int,
+    world_size: int,
+    profile: Profile,
+    inter_algorithm: str | None,
+    dtype: torch.dtype,
 ) -> Prediction:
     nodes = profile.nodes
     if nodes is None or nodes.size * nodes.count != world_size:
@@ -371,8 +449,9 @@ def _predict_hierarchical(
         raise ValueError(f"hierarchical over {world_size} ranks: the profile has {held}")
     shard = -(-numel // nodes.size)
     between = dataclasses.replace(profile, link=nodes.link, links=nodes.links, nodes=None)
-    inner = predict(compressor, shard, nodes.count, between, inter_algorithm)
-    intra = 2 * (nodes.size - 1) * shard * 4  # what a ring would send in the node (hierarchical's count)
+    inner = predict(compressor, shard, nodes.count, between, inter_algorithm, dtype)
+    # What a ring would send in the node (hierarchical's count).
+    intra = 2 * (nodes.size - 1) * shard * dtype.itemsize
     return Prediction(
         label(compressor),
         HIERARCHICAL,
@@ -426,6 +505,7 @@ def choose(
     candidates=SAFE,
     margin: float = MARGIN,
     ready: list[float] | None = None,
+    dtypes: list[torch.dtype] | None = None,
 ) -> list[Prediction]:
     """Per bucket, the candidate pair with the least predicted time (ties: fewer bytes, then the
     earlier candidate). ``none`` is always a candidate, and a compressor is chosen over it only
@@ -438,29 +518,52 @@ def choose(
     backward pass counts: a bucket stays dense (first to last) unless compressing it
     shortens the communication left after the backward pass (:func:`exposed_seconds`) by at
     least ``margin`` of what it saves the bucket: one reduced while the backward pass
-    still runs, with time to spare, gains nothing by compressing."""
+    still runs, with time to spare, gains nothing by compressing.
+
+    ``dtypes``: each bucket's element type (default fp32): bf16 buckets send half the
+    bytes dense, and casting them to bf16 saves nothing."""
+    keys = list(zip(numels, _dtypes(dtypes, numels), strict=True))
     pairs = choices(candidates, world_size, profile.nodes)
     best, dense = {}, {}  # buckets are mostly of one size: predict each size once
-    for numel in set(numels):
-        predictions = [predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs]
-        dense[numel] = predictions[0]
+    for key in set(keys):
+        predictions = [
+            predict(c, key[0], world_size, profile, a, inter, key[1])
+            for c, a, inter in pairs
+            if _saves(c, key[1])
+        ]
+        dense[key] = predictions[0]
         fastest = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
-        best[numel] = fastest if fastest.seconds <= (1 - margin) * dense[numel].seconds else dense[numel]
-    plan = [best[numel] for numel in numels]
+        best[key] = fastest if fastest.seconds <= (1 - margin) * dense[key].seconds else dense[key]
+    plan = [best[key] for key in keys]
     if ready is None:
         return plan
     if len(ready) != len(numels):
         raise ValueError(f"ready has {len(ready)} times for {len(numels)} buckets")
-    for i, numel in enumerate(numels):
-        if plan[i] is dense[numel]:
+    for i, key in enumerate(keys):
+        if plan[i] is dense[key]:
             continue
         kept = exposed_seconds(ready, [p.seconds for p in plan])
-        undone = plan[:i] + [dense[numel]] + plan[i + 1 :]
+        undone = plan[:i] + [dense[key]] + plan[i + 1 :]
         if exposed_seconds(ready, [p.seconds for p in undone]) - kept < margin * (
-            dense[numel].seconds - plan[i].seconds
+            dense[key].seconds - plan[i].seconds
         ):
             plan = undone
     return plan
+
+
+def _saves(compressor: Compressor, dtype: torch.dtype) -> bool:
+    """False for a cast to a type no narrower than ``dtype`` (bf16 of bf16 gradients): it
+    sends what dense sends, after a pass that costs (``none`` itself is weighed)."""
+    wire = getattr(compressor, "wire_dtype", None)
+    return wire is None or wire.itemsize < dtype.itemsize
+
+
+def _dtypes(dtypes: list[torch.dtype] | None, numels: list[int]) -> list[torch.dtype]:
+    if dtypes is None:
+        return [torch.float32] * len(numels)
+    if len(dtypes) != len(numels):
+        raise ValueError(f"dtypes has {len(dtypes)} types for {len(numels)} buckets")
+    return list(dtypes)
 
 
 def contender(
@@ -470,6 +573,7 @@ def contender(
     plan: list[Prediction],
     candidates=SAFE,
     within: float = MARGIN,
+    dtypes: list[torch.dtype] | None = None,
 ) -> list[Prediction] | None:
     """The plan to try beside ``plan`` (:func:`choose`'s), or None: per bucket the fastest
     other pair predicted within ``within`` of the plan's choice either way (where the model
@@ -481,10 +585,14 @@ def contender(
     margin over dense, the overlap with the backward pass)."""
     pairs = choices(candidates, world_size, profile.nodes)
     other, found = [], False
-    for numel, chosen in zip(numels, plan, strict=True):
+    for numel, dtype, chosen in zip(numels, _dtypes(dtypes, numels), plan, strict=True):
         close = [
             p
-            for p in (predict(c, numel, world_size, profile, a, inter) for c, a, inter in pairs)
+            for p in (
+                predict(c, numel, world_size, profile, a, inter, dtype)
+                for c, a, inter in pairs
+                if _saves(c, dtype)
+            )
             if (p.compressor, p.how) != (chosen.compressor, chosen.how)
             and abs(p.seconds - chosen.seconds) <= within * chosen.seconds
         ]
@@ -549,18 +657,22 @@ def _slowest_link(links: list[scale.Link]) -> scale.Link:
 class Auto:
     """``gradcomp.all_reduce(tensor, Auto(...))``: the compressor and algorithm chosen per tensor size.
 
-    The first call on a group measures its link and the candidates' codecs on
-    the tensor's device (every rank, on the group's worker, in call order:
-    like any collective, every rank must make the same calls), at the
-    tensor's size and a grid from 4K to 1M elements (:func:`link_sizes`), or
-    takes ``profile``; every rank's figures combine, so every rank chooses
-    alike. Each new size is then planned from those lines (:func:`choose`)
-    and keeps its choice; :attr:`plans` holds them per group, keyed by
-    (elements, dtype). An empty tensor is sent dense without measuring. Where
-    the group spans several nodes of several ranks (``all_reduce``'s
-    ``node_size``, else ``LOCAL_WORLD_SIZE``, else host names), the first call
-    also measures the nodes' levels and each size may go ``hierarchical``
-    (profiles and plans made for nodes are keyed by the node size too).
+    The first call on a group compares the ranks' settings (``allow``,
+    ``profile`` given or not: ``ValueError`` on every rank where they differ),
+    then measures its link and the candidates' codecs on the tensor's device
+    (every rank, on the group's worker, in call order: like any collective,
+    every rank must make the same calls), at the tensor's size (the link up
+    to 4M elements, :data:`LINK_MAX`) and a grid from 4K to 1M elements
+    (:func:`link_sizes`), or takes ``profile``; every rank's figures combine,
+    so every rank chooses alike. Each new size is then planned from those
+    lines (:func:`choose`, in the tensor's own dtype: bf16 gradients send half
+    the bytes, and a cast to bf16 saves them nothing) and keeps its choice;
+    :attr:`plans` holds them per group, keyed by (elements, dtype). An empty
+    tensor is sent dense without measuring. Where the group spans several
+    nodes of several ranks (``all_reduce``'s ``node_size``, else
+    ``LOCAL_WORLD_SIZE``, else host names), the first call also measures
+    the nodes' levels and each size may go ``hierarchical`` (profiles and
+    plans made for nodes are keyed by the node size too).
     ``gradcomp.all_reduce(t, "auto")`` uses one shared instance with the
     :data:`SAFE` candidates.
 
@@ -596,7 +708,7 @@ class Auto:
                 plan = dense_plan([tensor.numel()])[0]
             else:
                 profile = self._profile(q, tensor, hierarchy)
-                plan = choose([tensor.numel()], q.world_size, profile, self.allow)[0]
+                plan = choose([tensor.numel()], q.world_size, profile, self.allow, dtypes=[tensor.dtype])[0]
             plans[key] = plan
         compressor = self._chosen.get(plan.compressor)
         if compressor is None:
@@ -621,11 +733,22 @@ def checked_candidates(allow, profile: Profile | None = None) -> tuple:
     if isinstance(allow, str):
         allow = [c.strip() for c in allow.split(",") if c.strip()]
     allow = tuple(allow)
+    for spec in allow:
+        if not isinstance(spec, (str, Compressor)):
+            raise TypeError(f"allow holds compressors' names or Compressors, got {spec!r}")
     if not allow:
         raise ValueError("allow names no candidate")
     options(allow, None)  # unknown names and low-rank ones raise here
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
+    if profile is not None:  # found now, not after the warm-up
+        missing = [key for key in (label(candidate(c)) for c in allow) if key != "none"]
+        missing = [key for key in dict.fromkeys(missing) if key not in profile.codecs]
+        if missing:
+            raise ValueError(
+                f"the profile of {profile.device} has no measurement of {', '.join(map(repr, missing))} "
+                f"(it has {sorted(profile.codecs)}); measure them: python -m gradcomp probe --compressors ..."
+            )
     return allow
 
 

@@ -320,6 +320,46 @@ def test_ranks_with_different_compressors_fail_clearly():
     run_ranks(_mismatch_raises, 2, timeout=120)
 
 
+def _settings_mismatch_raises(rank: int, world_size: int) -> None:
+    inputs, labels = next(batches(rank, world_size, 1))
+    # Settings that change which collectives run and when, each differing on rank 1 only.
+    cases = [
+        ("int8", {"warmup_steps": 1 + rank}, "warmup_steps=1"),
+        ("int8", {"min_numel": 0 if rank else 1024}, "min_numel=1024"),
+        ("auto", {"allow": ("int8",) if rank else ("int4",)}, "'allow': \\['int4'\\]"),
+        ("auto", {"warmup_steps": 2 + rank}, "warmup_steps=2"),
+        ("auto", {"check_every": 10 + rank}, "check_every=10"),
+        ("auto", {"trial_steps": 0 if rank else 2}, "trial_steps=2"),
+        ("auto", {"drift": None if rank else 0.5}, "drift=0.5"),
+    ]
+    for compressor, options, named in cases:
+        model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+        register(model, compressor, **options)
+        with pytest.raises(
+            ValueError, match=f"ranks disagree on the gradcomp DDP hook's settings:\\n  rank 0: .*{named}"
+        ):
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        gradcomp.collectives.release_queues()  # a failed group's worker refuses what follows
+    # A rank resumed from another step's checkpoint is refused too.
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    state = register(model, "int8")
+    saved = state.state_dict()
+    saved["step"] = rank
+    state.load_state_dict(saved)
+    with pytest.raises(ValueError, match="rank 0: step=0\\n  rank 1: step=1"):
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+    gradcomp.collectives.release_queues()
+    # Equal settings still train alike afterwards.
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    register(model, "int8", min_numel=0)
+    train(model, rank, world_size, 2)
+    assert same_on_all_ranks(flat_parameters(model))
+
+
+def test_ranks_with_different_hook_settings_raise_instead_of_hanging():
+    run_ranks(_settings_mismatch_raises, 2, timeout=120)
+
+
 def _nonfinite_gradients_reach_the_optimizer(rank: int, world_size: int) -> None:
     for name in ("int8", "topk", "randk", "sign"):
         model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)

@@ -68,6 +68,34 @@ def test_a_slow_link_picks_a_low_bit_quantizer_and_a_fast_one_sends_dense_or_bf1
     assert planner.choose([BUCKET], 8, profile(10 * GBIT, rate=1e8))[0].compressor == "none"
 
 
+def test_half_precision_buckets_are_weighed_by_their_own_bytes():
+    n, fast_codecs = 6_553_600, profile(25 * GBIT, rate=1e11)
+    # fp32 gradients: casting to bf16 halves the bytes and pays at 25 Gbit/s.
+    assert planner.choose([n], 2, fast_codecs, ("none", "bf16"))[0].compressor == "bf16"
+    for dtype in (torch.bfloat16, torch.float16):
+        dense = planner.predict("none", n, 2, fast_codecs, dtype=dtype)
+        assert dense.bytes_sent == planner.predict("none", n, 2, fast_codecs).bytes_sent // 2
+        # Gradients already of 2 bytes: the cast saves nothing, dense it is.
+        plan = planner.choose([n], 2, fast_codecs, ("none", "bf16"), dtypes=[dtype])
+        assert plan[0].compressor == "none" and plan[0].bytes_sent == dense.bytes_sent
+        assert planner.contender([n], 2, fast_codecs, plan, ("none", "bf16"), dtypes=[dtype]) is None
+    # Where int8 pays for fp32 gradients but not for bf16 ones (dense sends half as much):
+    # per bucket, each by its own type.
+    fastest = profile(100 * GBIT, rate=1e11)
+    plan = planner.choose([n, n], 2, fastest, ("none", "int8"), dtypes=[torch.float32, torch.bfloat16])
+    assert [p.compressor for p in plan] == ["int8", "none"]
+    with pytest.raises(ValueError, match="dtypes has 1 types for 2 buckets"):
+        planner.choose([n, n], 2, fastest, dtypes=[torch.float32])
+    # Hierarchical: the node's stages send the gradients' own bytes too.
+    nodes = dataclasses.replace(profile(GBIT), world_size=8, nodes=_two_nodes(GBIT))
+    between = dataclasses.replace(nodes, link=nodes.nodes.link, nodes=None)
+    shard = -(-n // 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = planner.predict("int8", n, 8, nodes, "hierarchical", dtype=dtype)
+        inner = planner.predict("int8", shard, 2, between, dtype=dtype)
+        assert got.bytes_sent == 2 * 3 * shard * dtype.itemsize + inner.bytes_sent
+
+
 def test_buckets_below_the_break_even_size_stay_dense():
     p = profile(GBIT, latency=20e-6, overhead=2e-3)  # 2 ms to start a codec
     plan = planner.choose([256, 4096, 65536, BUCKET], 2, p)
@@ -628,9 +656,49 @@ def test_plan_refuses_what_it_cannot_model(tmp_path, capsys):
     assert cli.main([*argv, "--allow", "powersgd"]) == 2
     assert "low-rank" in capsys.readouterr().err
     assert cli.main([*argv[:-1], str(tmp_path / "missing.json")]) == 2
-    (tmp_path / "bad.json").write_text("{}")
-    assert cli.main([*argv[:-1], str(tmp_path / "bad.json")]) == 2
-    assert "is not a gradcomp profile" in capsys.readouterr().err
+    # Files that are not profiles: refused, naming the file and what is wrong.
+    good = profile(GBIT).to_json()
+    no_rate = json.loads(json.dumps(good))
+    del no_rate["codecs"]["int8"]["encode"]["rate"]
+    bad = {
+        "{}": "not a gradcomp profile: no 'codecs'",
+        "[1, 2]": "not a gradcomp profile: a JSON list, not an object",
+        "{bad": "not JSON (Expecting property name",
+        json.dumps(
+            no_rate
+        ): "not a gradcomp profile: Linear.__init__() missing 1 required positional argument: 'rate'",
+    }
+    for where, value, said in (
+        (("codecs", "int8", "encode", "rate"), 0, "codecs.int8.encode.rate must be positive, got 0"),
+        (("link", "bandwidth"), -5, "link.bandwidth must be positive, got -5"),
+        (("link", "latency"), "fast", "not a gradcomp profile: link.latency is 'fast', not a finite number"),
+        (("world_size",), 0, "not a gradcomp profile: world_size is 0, not a positive integer"),
+    ):
+        changed = json.loads(json.dumps(good))
+        inner = changed
+        for key in where[:-1]:
+            inner = inner[key]
+        inner[where[-1]] = value
+        bad[json.dumps(changed)] = said
+    for text, said in bad.items():
+        (tmp_path / "bad.json").write_text(text)
+        assert cli.main([*argv[:-1], str(tmp_path / "bad.json")]) == 2
+        assert f"gradcomp plan: {tmp_path / 'bad.json'}: {said}" in capsys.readouterr().err
+    # Options that are not numbers the model can use, and empty lists.
+    for option, value in (
+        ("--bucket-mb", "nan"),
+        ("--bucket-mb", "inf"),
+        ("--bucket-mb", "0"),
+        ("--compute-ms", "0"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, option, value])
+        assert "must be a positive finite number" in capsys.readouterr().err
+    assert cli.main([*argv, "--allow", ""]) == 2 and "allow names no candidate" in capsys.readouterr().err
+    assert cli.main(["plan", "--compressors", "bogus"]) == 2
+    assert "unknown compressor 'bogus'" in capsys.readouterr().err
+    assert cli.main(["plan", "--compressors", ","]) == 2
+    assert "--compressors names no compressor" in capsys.readouterr().err
     assert cli.main(["plan", "--params", "0.4", "--profile", str(path)]) == 2
     assert "--params must be at least 1" in capsys.readouterr().err
     assert cli.main(["plan", "--world", "8"]) == 2 and "--world needs --params" in capsys.readouterr().err
@@ -820,10 +888,20 @@ def test_auto_options_are_checked():
         ddp.HookState("int8", allow=("int8",))
     with pytest.raises(TypeError, match="Profile"):
         ddp.HookState("auto", profile={"link": 1})
-    with pytest.raises(ValueError, match="options of compressor='auto'"):
-        ddp.HookState("int8", replan_every=100)
+    with pytest.raises(TypeError, match="allow holds compressors' names or Compressors, got 5"):
+        ddp.HookState("auto", allow=[5])
+    # A profile without a candidate's measurement is refused at once, not after the warm-up.
+    partial = dataclasses.replace(profile(GBIT), codecs={"int8": profile(GBIT).codecs["int8"]})
+    for make in (lambda: ddp.HookState("auto", profile=partial), lambda: planner.Auto(profile=partial)):
+        with pytest.raises(ValueError, match="no measurement of 'bf16', 'int4' \\(it has \\['int8'\\]\\)"):
+            make()
+    assert ddp.HookState("auto", allow=("none", "int8"), profile=partial).allow == ("none", "int8")
+    for only_auto in ({"replan_every": 100}, {"check_every": 5}, {"drift": 0.2}, {"drift": None}):
+        with pytest.raises(ValueError, match="options of compressor='auto'"):
+            ddp.HookState("int8", **only_auto)
     bad_options = [{"check_every": 0}, {"check_every": None}, {"replan_every": 1.5}]
-    bad_options += [{"drift": 0}, {"drift": "x"}]
+    bad_options += [{"drift": 0}, {"drift": "x"}, {"drift": float("nan")}, {"drift": float("inf")}]
+    bad_options += [{"warmup_steps": -5}, {"warmup_steps": True}, {"warmup_steps": 2.5}]
     for bad in bad_options:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ddp.HookState("auto", **bad)
@@ -1158,7 +1236,35 @@ def _no_trial_below_min_numel(rank, world_size):
 @pytest.mark.slow
 def test_no_trial_where_the_plans_differ_only_in_buckets_reduced_dense():
     planned, trials, under_way, hows = spawn.run_ranks(_no_trial_below_min_numel, 2, timeout=120)
-    assert planned == "int8" and trials == [] and under_way is None and hows == {"none dense"}
+    # The plan says what is sent: dense, under min_numel.
+    assert planned == "none" and trials == [] and under_way is None and hows == {"none dense"}
+
+
+def _half_precision_auto_body(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp import ddp
+
+    plans = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(128, 512).to(dtype)
+        model = DistributedDataParallel(net)
+        # Fast codecs on a 5 Gbit/s link: a cast to bf16 pays for fp32 gradients.
+        fast = profile(5 * GBIT, rate=1e11, overhead=1e-6)
+        state = ddp.register(model, "auto", allow=("none", "bf16"), profile=fast, min_numel=0, trial_steps=0)
+        for _ in range(5):
+            model(torch.randn(4, 128, dtype=dtype)).sum().backward()
+        state.flush()
+        plans[str(dtype)] = [(p.compressor, p.bytes_sent) for p in state.plan]
+    return plans
+
+
+def test_auto_plans_half_precision_buckets_by_their_own_bytes():
+    plans = spawn.run_ranks(_half_precision_auto_body, 2, timeout=120)
+    numel = 128 * 512 + 512
+    assert plans["torch.float32"] == [("bf16", numel * 2)]
+    assert plans["torch.bfloat16"] == [("none", numel * 2)]  # already 2 bytes: nothing to save
 
 
 def test_trial_steps_is_checked():
@@ -1295,6 +1401,35 @@ def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
     assert result["measured"][0] == ("none", "dense")
     assert all(c in planner.SAFE and a for c, a in result["measured"])
     assert result["measured"][1] == result["measured"][3]
+
+
+def _all_reduce_auto_disagreeing_body(rank, world_size):
+    x = torch.ones(4096)
+    # Ranks that allow other candidates, or of which one plans from a profile and the other
+    # measures, would issue other collectives: every rank raises instead, naming each rank's.
+    for auto, named in (
+        (planner.Auto(allow=("int8",) if rank else ("int4",), profile=profile(GBIT)), "allow"),
+        (planner.Auto(profile=profile(GBIT) if rank else None), "profile='measured'"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"ranks disagree on the all-reduce's compressor='auto' settings:\\n  rank 0: .*{named}",
+        ):
+            gradcomp.all_reduce(x.clone(), auto)
+        gradcomp.collectives.release_queues()
+    # The same settings agree (and the shared "auto" is one instance, found by its name).
+    same = planner.Auto(allow=("int8",), profile=profile(GBIT))
+    gradcomp.all_reduce(x.clone(), same)
+    gradcomp.all_reduce(x.clone(), "auto")
+    from gradcomp.collectives import _SHARED_AUTO
+
+    shared = _SHARED_AUTO["auto"]
+    gradcomp.all_reduce(x.clone(), "auto")
+    return shared is _SHARED_AUTO["auto"] and len(_SHARED_AUTO) == 1
+
+
+def test_all_reduce_auto_ranks_with_other_settings_raise():
+    assert spawn.run_ranks(_all_reduce_auto_disagreeing_body, 2, timeout=120) is True
 
 
 def _all_reduce_auto_nodes_body(rank, world_size):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
-from gradcomp.collectives.agreement import settings_key, verify_agreement
+from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
 from gradcomp.collectives.algorithms import (
     ALGORITHMS,
     HIERARCHICAL,
@@ -81,6 +81,7 @@ __all__ = [
     "settings_key",
     "two_phase_segments",
     "verify_agreement",
+    "verify_settings",
 ]
 
 _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
@@ -89,7 +90,10 @@ _SHARED_AUTO: dict = {}
 
 
 def _auto_steps(auto, job: Job, q: CollectiveQueue):
-    # On the worker, in call order: the first call on a group measures it (a collective).
+    # On the worker, in call order: the first call on a group compares the ranks' settings
+    # (others would measure or plan apart, and hang), then measures it (a collective).
+    settings = auto.settings() | {"profile": "given" if auto.profile is not None else "measured"}
+    verify_settings(q, "the all-reduce's compressor='auto' settings", settings, job.tensor.device)
     job.compressor, plan = auto.choice(q, job.tensor, job.hierarchy)
     job.algorithm, job.inter_algorithm = plan.algorithm, plan.inter_algorithm
     stats = yield from job_steps(job, q)
@@ -230,8 +234,10 @@ def all_reduce(
                     "compressor='auto' chooses the algorithm: drop algorithm and inter_algorithm "
                     "(node_size, where given, says which ranks share a node)"
                 )
-            auto = planner.Auto() if isinstance(compressor, str) else compressor
-            auto = _SHARED_AUTO.setdefault(settings_key(auto), auto) if isinstance(compressor, str) else auto
+            if isinstance(compressor, str):
+                auto = _SHARED_AUTO.get("auto") or _SHARED_AUTO.setdefault("auto", planner.Auto())
+            else:
+                auto = compressor
     compressor = auto or get_compressor(compressor)
     check_tensor(tensor)
     ops.check_forced_backend()

@@ -46,3 +46,28 @@ def verify_agreement(q: CollectiveQueue, fingerprint: tuple, device: torch.devic
         )
         raise ValueError(f"ranks disagree on the compressed all-reduce settings:\n{lines}")
     q.verified.add(fingerprint)
+
+
+def verify_settings(q: CollectiveQueue, what: str, settings: dict, device: torch.device) -> None:
+    """Raise ValueError on every rank if ranks' ``settings`` (name -> value) differ,
+    naming each rank's differing ones; once per ``what`` and settings on a group.
+
+    The check travels on ``device`` (NCCL groups take CUDA tensors only).
+    """
+    fingerprint = (what, repr(sorted(settings.items())))
+    if q.world_size == 1 or fingerprint in q.verified:
+        return
+    digest = zlib.crc32(fingerprint[1].encode())
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
+    all_gather_async(everyone, mine, q.group).wait()
+    if bool((everyone != digest).any()):
+        described = [None] * q.world_size
+        dist.all_gather_object(described, settings, group=q.group)
+        differ = [k for k in settings if any(d.get(k) != settings[k] for d in described)]
+        differ += sorted({k for d in described for k in d if k not in settings}, key=str)
+        lines = "\n".join(
+            f"  rank {r}: " + ", ".join(f"{k}={d.get(k)!r}" for k in differ) for r, d in enumerate(described)
+        )
+        raise ValueError(f"ranks disagree on {what}:\n{lines}")
+    q.verified.add(fingerprint)
