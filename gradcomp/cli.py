@@ -23,6 +23,7 @@ from gradcomp import demo, planner
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 _RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "gb": 1e9, "mb": 1e6}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DECIMAL = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}
 
 
@@ -130,10 +131,16 @@ def parser() -> argparse.ArgumentParser:
         "--params",
         type=_quantity(_DECIMAL, "params", integer=True),
         default=None,
-        help="a model of this many fp32 parameters (K, M, G: thousands, millions, billions): print what "
+        help="a model of this many parameters (K, M, G: thousands, millions, billions): print what "
         "each candidate costs a step in DDP buckets and what auto picks, instead of the sweep",
     )
     plan.add_argument("--world", type=_at_least(2), default=None, help="with --params: ranks (default 8)")
+    plan.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="with --params: the gradients' type (default fp32; bf16 and fp16 send half the bytes dense)",
+    )
     plan.add_argument(
         "--bucket-mb", type=_positive, default=25.0, help="with --params: DDP bucket size in MB (default 25)"
     )
@@ -238,7 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "plan":
         if args.params is None:
-            options = ("world", "compute_ms", "profile", "node_size", "intra_bandwidth", "intra_latency")
+            options = (
+                "world",
+                "dtype",
+                "compute_ms",
+                "profile",
+                "node_size",
+                "intra_bandwidth",
+                "intra_latency",
+            )
             given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k) is not None]
             if given or args.allow != ",".join(planner.SAFE):
                 sys.stderr.write(f"gradcomp plan: {', '.join(given) or '--allow'} needs --params\n")
@@ -331,13 +346,16 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
 
 
-def _buckets(params: int, bucket_mb: float) -> list[int]:
-    """The model's fp32 parameters in DDP buckets of ``bucket_mb`` MB (the last one short)."""
-    per = max(1, int(bucket_mb * 2**20 // 4))
+def _buckets(params: int, bucket_mb: float, itemsize: int = 4) -> list[int]:
+    """The model's parameters of ``itemsize`` bytes in DDP buckets of ``bucket_mb`` MB
+    (the last one short)."""
+    per = max(1, int(bucket_mb * 2**20 // itemsize))
     return [per] * (params // per) + ([params % per] if params % per else [])
 
 
 def _decide(args) -> int:
+    import torch
+
     from gradcomp.collectives import scale
 
     if args.params < 1:
@@ -365,10 +383,13 @@ def _decide(args) -> int:
         inside = scale.Link(args.intra_bandwidth or inside.bandwidth, latency)
         nodes = planner.Nodes.on_links(args.node_size, world // args.node_size, inside, profile.link)
         profile = dataclasses.replace(profile, nodes=nodes)
-    buckets = _buckets(args.params, args.bucket_mb)
+    kind = args.dtype or "fp32"
+    dtype = getattr(torch, _DTYPES[kind])
+    buckets = _buckets(args.params, args.bucket_mb, dtype.itemsize)
     link = profile.link
     print(
-        f"{args.params:,} fp32 parameters in {len(buckets)} buckets of {args.bucket_mb:g} MB, {world} ranks; "
+        f"{args.params:,} {kind} parameters in {len(buckets)} buckets of {args.bucket_mb:g} MB, "
+        f"{world} ranks; "
         f"link {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, {link.latency * 1e6:.3g} us per step; "
         f"compress and decode times of {profile.device} ({profile.note})"
     )
@@ -380,9 +401,14 @@ def _decide(args) -> int:
     try:
         totals = []
         for compressor, algorithm, inter in planner.choices(candidates, world, profile.nodes):
-            once = {n: planner.predict(compressor, n, world, profile, algorithm, inter) for n in set(buckets)}
+            if not planner.saves(compressor, dtype):
+                continue  # a cast to the gradients' own width
+            once = {
+                n: planner.predict(compressor, n, world, profile, algorithm, inter, dtype)
+                for n in set(buckets)
+            }
             totals.append((planner.label(compressor), once[buckets[0]].how, [once[n] for n in buckets]))
-        plan = planner.choose(buckets, world, profile, candidates)
+        plan = planner.choose(buckets, world, profile, candidates, dtypes=[dtype] * len(buckets))
     except (KeyError, ValueError) as error:
         sys.stderr.write(f"gradcomp plan: {error.args[0]}\n")
         return 2

@@ -529,7 +529,7 @@ def choose(
         predictions = [
             predict(c, key[0], world_size, profile, a, inter, key[1])
             for c, a, inter in pairs
-            if _saves(c, key[1])
+            if saves(c, key[1])
         ]
         dense[key] = predictions[0]
         fastest = min(predictions, key=lambda p: (p.seconds, p.bytes_sent))
@@ -551,9 +551,10 @@ def choose(
     return plan
 
 
-def _saves(compressor: Compressor, dtype: torch.dtype) -> bool:
-    """False for a cast to a type no narrower than ``dtype`` (bf16 of bf16 gradients): it
-    sends what dense sends, after a pass that costs (``none`` itself is weighed)."""
+def saves(compressor: Compressor, dtype: torch.dtype) -> bool:
+    """Whether ``compressor`` may send fewer bytes than dense ``dtype``: False for a cast
+    to a type no narrower than ``dtype`` (bf16 of bf16 gradients), which sends what dense
+    sends after a pass that costs (``none`` itself is weighed)."""
     wire = getattr(compressor, "wire_dtype", None)
     return wire is None or wire.itemsize < dtype.itemsize
 
@@ -591,7 +592,7 @@ def contender(
             for p in (
                 predict(c, numel, world_size, profile, a, inter, dtype)
                 for c, a, inter in pairs
-                if _saves(c, dtype)
+                if saves(c, dtype)
             )
             if (p.compressor, p.how) != (chosen.compressor, chosen.how)
             and abs(p.seconds - chosen.seconds) <= within * chosen.seconds

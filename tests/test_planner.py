@@ -618,6 +618,15 @@ def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys
     # A faster link given on the command line replaces the profile's.
     assert cli.main([*argv, "--bandwidth", "400gbit", "--latency", "5us"]) == 0
     assert "link 400 Gbit/s per rank, 5 us per step" in capsys.readouterr().out
+    # bf16 gradients: twice the elements a bucket, half the bytes dense, and no cast to bf16.
+    assert cli.main([*argv, "--dtype", "bf16"]) == 0
+    text = capsys.readouterr().out
+    buckets = -(-350_000_000 // (2 * BUCKET))
+    assert f"350,000,000 bf16 parameters in {buckets} buckets of 25 MB, 16 ranks" in text
+    rows = {tuple(line.split()[:3]) for line in text.splitlines()}
+    assert ("none", "dense", f"{2 * 350_000_000 * 15 / 16 * 2 / 1e6:.4g}") in rows  # a ring's bytes
+    assert not any(row[0] == "bf16" for row in rows) and "auto picks: int4" in text
+    assert cli.main(["plan", "--dtype", "bf16"]) == 2 and "--dtype needs --params" in capsys.readouterr().err
 
 
 def test_plan_on_nodes_weighs_hierarchical_with_the_link_inside_a_node(tmp_path, capsys):

@@ -33,11 +33,7 @@ def verify_agreement(q: CollectiveQueue, fingerprint: tuple, device: torch.devic
     """
     if q.world_size == 1 or fingerprint in q.verified:
         return
-    digest = zlib.crc32(repr(fingerprint).encode())
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
-    all_gather_async(everyone, mine, q.group).wait()
-    if bool((everyone != digest).any()):
+    if not _same_everywhere(q, repr(fingerprint), device):
         described = [None] * q.world_size
         dist.all_gather_object(described, fingerprint, group=q.group)
         lines = "\n".join(
@@ -57,11 +53,7 @@ def verify_settings(q: CollectiveQueue, what: str, settings: dict, device: torch
     fingerprint = (what, repr(sorted(settings.items())))
     if q.world_size == 1 or fingerprint in q.verified:
         return
-    digest = zlib.crc32(fingerprint[1].encode())
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
-    all_gather_async(everyone, mine, q.group).wait()
-    if bool((everyone != digest).any()):
+    if not _same_everywhere(q, fingerprint[1], device):
         described = [None] * q.world_size
         dist.all_gather_object(described, settings, group=q.group)
         differ = [k for k in settings if any(d.get(k) != settings[k] for d in described)]
@@ -71,3 +63,12 @@ def verify_settings(q: CollectiveQueue, what: str, settings: dict, device: torch
         )
         raise ValueError(f"ranks disagree on {what}:\n{lines}")
     q.verified.add(fingerprint)
+
+
+def _same_everywhere(q: CollectiveQueue, text: str, device: torch.device) -> bool:
+    """Whether every rank of ``q``'s group passed the same ``text`` (one all-gather of a digest)."""
+    digest = zlib.crc32(text.encode())
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(q.world_size, dtype=torch.int64, device=device)
+    all_gather_async(everyone, mine, q.group).wait()
+    return not bool((everyone != digest).any())
