@@ -10,9 +10,13 @@ group on one thread. On CUDA tensors:
   orders its collectives after the current stream and makes it wait on
   them), so the caller's stream never waits on a collective;
 * the job's future is created with its device and completed with the
-  worker's stream current: ``torch.futures.Future`` records an event there,
-  and whoever waits on the future (DDP's reducer, :meth:`Work.wait`) makes
-  its own current stream wait on that event only;
+  worker's stream current, its value holding the tensor the job wrote (a
+  DDP bucket, the ``tensor`` of :class:`ReduceStats`):
+  ``torch.futures.Future`` records an event there for the devices of the
+  tensors it finds in the value, and none for a value without tensors
+  (c10's ``Future::markCompleted``); whoever waits on the future (DDP's
+  reducer, :meth:`Work.wait`, a ``then`` callback) makes its own current
+  stream wait on that event only;
 * the caller's tensor is marked as used by the worker's stream
   (``record_stream``), so that the caching allocator cannot hand its memory
   to another stream before the worker's kernels are done with it.

@@ -108,24 +108,66 @@ def install_fake() -> FakeCuda:
     streams.uses_streams = lambda device: True
 
     class RecordingFuture(torch.futures.Future):
-        """torch's Future with devices, as its C++ side behaves: completion records
-        an event on the completing stream, a wait makes the waiting stream wait on it."""
+        """``torch.futures.Future(devices=...)`` as c10's ``ivalue::Future`` behaves
+        (aten/src/ATen/core/ivalue_inl.h), CPU tensors standing for the device's:
+
+        * ``set_result`` (``markCompleted``) looks for the tensors in the value as torch
+          does for a Python value, by pickling it (``extractStorages`` ->
+          ``PyObjectHolder::extractTensors`` -> ``torch._jit_internal._extract_tensors``),
+          and records an event on the current stream of each of their devices
+          (``getDevicesOfStorages``): none at all where the value holds no tensor, or
+          where the future was made without devices; a tensor on a device the future
+          was not made with is an error (``ensureIsSubsetOfDevices``);
+        * ``wait()`` and every ``then()`` callback first make the current stream wait
+          on those events (``synchronizeWithCurrentStreams``);
+        * ``then()`` runs its callback with a stream from the pool current
+          (``wrapCallback``: ``getStreamFromPool`` per device) and completes the child,
+          made with the parent's devices, with what the callback returns (or its error).
+        """
 
         def __init__(self, devices=None):
             super().__init__()
-            self.devices, self.done = devices, None
-            fake.log.append(("future", tuple(devices or ())))
+            self.devices, self.events = tuple(devices or ()), []
+            fake.log.append(("future", self.devices))
 
-        def set_result(self, result) -> None:
-            self.done = FakeEvent(fake)
-            self.done.record(fake.current_stream())
-            fake.log.append(("complete", fake.current_stream(), threading.current_thread().name))
+        def set_result(self, result, kind: str = "complete") -> None:
+            if self.devices:
+                tensors = torch._jit_internal._extract_tensors(result)
+                used = {tensor.device for tensor in tensors}
+                assert used <= {torch.device(d) for d in self.devices}, (used, self.devices)
+                for _ in used:
+                    event = FakeEvent(fake)
+                    event.record(fake.current_stream())
+                    self.events.append(event)
+            fake.log.append((kind, fake.current_stream(), threading.current_thread().name, self))
             super().set_result(result)
 
+        def synchronize(self) -> None:
+            for event in self.events:
+                fake.current_stream().wait_event(event)
+
         def wait(self):
-            result = super().wait()
-            fake.current_stream().wait_event(self.done)
-            return result
+            try:
+                return super().wait()
+            finally:
+                self.synchronize()
+                fake.log.append(("waited", fake.current_stream(), threading.current_thread().name, self))
+
+        def then(self, callback):
+            child = RecordingFuture(self.devices)
+
+            def run(parent):
+                with fake.stream(fake.Stream()):
+                    self.synchronize()
+                    try:
+                        value = callback(self)
+                    except BaseException as error:  # noqa: BLE001 - the child's error, as in torch
+                        child.set_exception(error)
+                    else:
+                        child.set_result(value, kind="complete then")
+
+            self.add_done_callback(run)
+            return child
 
     streams.Future = RecordingFuture
     original_record_stream = torch.Tensor.record_stream
@@ -191,7 +233,50 @@ def test_ddp_hook_runs_every_kernel_and_wait_on_the_workers_stream():
     run_ranks(_hook_runs_on_the_worker_stream, 2)
 
 
-def _all_reduce_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
+def ordered_before(fake: FakeCuda) -> list[dict]:
+    """For each log entry, what the stream it happened on is ordered after: per stream,
+    the log index of the last op of that stream that must run before (a vector clock:
+    an op advances its stream's own entry, a recorded event takes the stream's clock,
+    a stream waiting on an event takes the event's)."""
+    clocks: dict[FakeStream, dict] = {}
+    at_record: dict[FakeEvent, dict] = {}
+    seen = []
+    for index, entry in enumerate(fake.log):
+        kind, stream = entry[0], entry[1] if len(entry) > 1 else None
+        clock = clocks.setdefault(stream, {}) if isinstance(stream, FakeStream) else {}
+        if kind == "op":
+            clock[stream] = index
+        elif kind == "record":
+            at_record[entry[2]] = dict(clock)
+        elif kind == "wait event":
+            for other, last in at_record.get(entry[2], {}).items():
+                clock[other] = max(clock.get(other, -1), last)
+        seen.append(dict(clock))
+    return seen
+
+
+def unordered_results(fake: FakeCuda) -> list[str]:
+    """Every job result a caller took (a ``wait()`` on a job's future) before its stream
+    was ordered after all the work the worker's stream had queued when it completed."""
+    clocks = ordered_before(fake)
+    completed = {entry[3]: index for index, entry in enumerate(fake.log) if entry[0] == "complete"}
+    problems = []
+    for index, entry in enumerate(fake.log):
+        if entry[0] != "waited" or entry[3] not in completed:
+            continue
+        done = completed[entry[3]]
+        worker_ops = [i for i, e in enumerate(fake.log[:done]) if e[0] == "op" and e[2] == WORKER]
+        last = max(worker_ops, default=-1)
+        worker = fake.log[last][1] if worker_ops else None
+        if worker is not None and clocks[index].get(worker, -1) < last:
+            problems.append(f"log {index}: {entry[1]} took a result before {worker}'s op {fake.log[last][3]}")
+    return problems
+
+
+def _results_are_ordered_on_the_callers_stream(rank: int, world_size: int) -> None:
+    from gradcomp import planner
+    from gradcomp.collectives import scale
+
     tensor = torch.randn(5000)
     fake = install_fake()
     gradcomp.all_reduce(tensor.clone(), "int8")  # agreement check
@@ -200,18 +285,60 @@ def _all_reduce_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
         work = gradcomp.all_reduce(tensor, "int8", async_op=True)
         submitted = len(fake.log)
         work.wait()
-    fake.restore()
     worker = check_worker_discipline(fake, jobs=1)
     # Between submit and wait the caller issued nothing; its wait is on the worker's completion event.
     caller = [entry for entry in fake.log if entry[0] == "op" and entry[2] != WORKER]
     assert all(fake.log.index(entry) < submitted for entry in caller)
     (wait,) = [entry for entry in fake.log if entry[0] == "wait event" and entry[1] is fake.default]
     assert wait[2].stream is worker
+    assert not unordered_results(fake)
+    # Every other way to take the result: the call without async_op, the future, "auto".
+    line = planner.Linear(50e-6, 1e9)
+    profile = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    auto = planner.Auto(allow=("int8",), profile=profile)
+    for take in (
+        lambda: gradcomp.all_reduce(tensor, "int8"),
+        lambda: gradcomp.all_reduce(tensor, "int8", async_op=True).get_future().wait(),
+        lambda: gradcomp.all_reduce(tensor, auto),
+    ):
+        fake.log.clear()
+        with Recorder(fake):
+            take()
+        assert any(entry[0] == "waited" for entry in fake.log)
+        assert not unordered_results(fake)
+    # The faithful future orders nothing where its value holds no tensor: a job whose
+    # result is not the tensor it wrote leaves its waiter unordered.
+    fake.log.clear()
+    with Recorder(fake):
+        collectives.queue_for(None).submit(lambda: [tensor.add_(0), None][1], tensor.device).wait()
+    assert unordered_results(fake)
+    fake.restore()
 
 
 @pytest.mark.slow
-def test_async_all_reduce_runs_on_the_workers_stream_and_its_wait_on_the_event():
-    run_ranks(_all_reduce_runs_on_the_worker_stream, 2)
+def test_all_reduce_results_are_ordered_on_the_callers_stream_however_taken():
+    run_ranks(_results_are_ordered_on_the_callers_stream, 2)
+
+
+def _optimizer_reads_ordered_results(rank: int, world_size: int) -> None:
+    from test_ddp import make_model
+
+    model = make_model()
+    optimizer = gradcomp.optim.CompressedAdam(model.parameters(), lr=1e-3, compressor="int8", warmup_steps=1)
+    fake = install_fake()
+    for step in range(3):  # the warm-up's dense exchange, then compressed momentum
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01 * (rank + 1 + step))
+        fake.log.clear()
+        with Recorder(fake):
+            optimizer.step()
+        assert [e for e in fake.log if e[0] == "waited"] and not unordered_results(fake), step
+    fake.restore()
+
+
+@pytest.mark.slow
+def test_compressed_adam_reads_exchanged_updates_after_the_workers_stream():
+    run_ranks(_optimizer_reads_ordered_results, 2)
 
 
 def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:

@@ -110,7 +110,8 @@ class Work:
         self._future = future
 
     def wait(self) -> bool:
-        """Block until done; re-raises the collective's error."""
+        """Block until done; re-raises the collective's error. On CUDA the current
+        stream then waits for the reduction (the host does not)."""
         self._future.wait()
         return True
 
@@ -118,7 +119,9 @@ class Work:
         return self._future.done()
 
     def get_future(self) -> torch.futures.Future:
-        """Future holding the :class:`ReduceStats` of the call."""
+        """Future holding the :class:`ReduceStats` of the call. As with torch's own
+        ``Work.get_future()``, its ``wait()`` and ``then()`` callbacks are ordered
+        after the reduction on CUDA streams (the statistics hold the tensor)."""
         return self._future
 
 

@@ -131,7 +131,7 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     and collectives must still be issued in the same order on every rank."""
     tensor = job.tensor
     dense = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
-    stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm)
+    stats = ReduceStats(dense_bytes=dense, algorithm=job.algorithm, tensor=tensor)
     if tensor.numel() == 0:
         return stats
     algorithm = job.algorithm

@@ -47,6 +47,13 @@ class ReduceStats:
             nodes and leave both 0).
         inter_algorithm: the algorithm between nodes of a ``hierarchical`` one.
         compressor: what ``all_reduce(t, "auto")`` chose (empty otherwise).
+        tensor: the reduced tensor itself. A ``torch.futures.Future`` made
+            for a CUDA device orders its waiters' streams only after the
+            tensors it finds in its value (c10's ``Future::markCompleted``
+            records events for their devices alone): holding the tensor, a
+            future of these statistics makes ``wait()`` and ``then()``
+            callbacks run after the reduction, as torch's own ``Work``
+            futures, which hold their output tensors, do.
     """
 
     bytes_sent: int = 0
@@ -59,6 +66,7 @@ class ReduceStats:
     bytes_sent_inter: int = 0
     inter_algorithm: str = ""
     compressor: str = ""
+    tensor: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ratio(self) -> float:
