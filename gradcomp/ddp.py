@@ -240,6 +240,7 @@ class HookState:
         "_last",
         "_pending",
         "_replanned",
+        "_remeasure",
         "_replan_requested",
         "_baseline",
         "_times",
@@ -331,6 +332,8 @@ class HookState:
         # [[start, end], ...] events of the worker's stream on GPUs
         self._times: dict[int, dict[int, list]] = {}
         self._hooked_step = -1
+        # GPUs: a re-plan a check asked for, and the step at whose end it measures (a boundary)
+        self._remeasure: tuple[str, int | None] | None = None
         self._agreed = False  # whether the ranks' settings were compared (the first hook call)
         # each trial: its plans' choices, their step times, its turns', which stayed
         self.trials: list[dict] = []
@@ -390,6 +393,8 @@ class HookState:
                     self._pending.wait()  # a check of the step just ended: its plan applies from the next
                 if self._replanned is not None:
                     saved["next_plan"] = _saved_plan(self._replanned)
+                if self._remeasure is not None:
+                    saved["auto_remeasure"] = self._remeasure[0]
                 if self._trial is not None:
                     saved["auto_trial"] = {
                         "plans": [_saved_plan(plan) for plan in self._trial["plans"]],
@@ -411,6 +416,7 @@ class HookState:
         self._offsets, self._ready = state.get("auto_ready"), {}
         self._planned_at = -1 if "plan" in state else None
         self._pending, self._replanned, self._baseline, self._times = None, None, None, {}
+        self._remeasure = (state["auto_remeasure"], None) if "auto_remeasure" in state else None
         self._hooked_step, self._replan_requested, self._agreed = -1, False, False
         self.plan, self._chosen, self._adopted_at, self._last = None, [], None, {}
         self.trials, self._trial, self._marks = list(state.get("auto_trials", [])), None, {}
@@ -590,10 +596,20 @@ class HookState:
         worst, forced = _ranks_max(q, [deviation, float(forced)])
         drifted = self.drift is not None and worst > self.drift
         if forced or drifted:
-            self._replanned = self._choose(q, [p.numel for p in self.plan])
             why = f"drift {worst:.0%} past {self.drift:.0%}" if drifted else "requested"
-            logger.info("gradcomp auto re-plans (%s): %s", why, _described(self._replanned))
-            self._begin_trial(self._replanned)
+            if streams.uses_streams(self._device):
+                # Measured at the end of the next step (the hook schedules it): while this
+                # step's backward pass runs, a GPU's timings would count its kernels too.
+                self._remeasure = (why, None)
+                return
+            self.remeasure(q, why)
+
+    def remeasure(self, q, why: str = "requested") -> None:
+        """(worker) Measure and choose afresh for the plan's buckets; adopted from the next step."""
+        self._remeasure = None
+        self._replanned = self._choose(q, [p.numel for p in self.plan])
+        logger.info("gradcomp auto re-plans (%s): %s", why, _described(self._replanned))
+        self._begin_trial(self._replanned)
 
     def _switch(self, step: int) -> None:
         """(hook, first bucket of ``step``) Adopt the plan the last check made."""
@@ -699,8 +715,6 @@ class HookState:
         ``index`` (``tensor``) of ``step`` in place on ``q``; their result is ``tensor``."""
         started = self._start_bucket(step, last)
         self.buckets.adopt(index, layout, tensor)
-        if self.auto:
-            self._device = tensor.device  # where plans measure the codecs (a resumed run's too)
         if self.auto and not self.plan:
             # The buckets reduced before the plan: its sizes (DDP settles them after its first step).
             if self._sizes.get("step") != step:
@@ -974,6 +988,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     timed = None
     if state.auto:
         state._dtypes[index] = buffer.dtype  # the plans weigh their bytes
+        state._device = buffer.device  # where plans measure the codecs (a resumed run's too)
         _plan_when_due(state, q, buffer, index, step)
         if state._planned_at is None:
             # Before the plan: when the backward pass hands each bucket over (on GPUs, an event
@@ -983,11 +998,12 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             if state._ready.get("step") != step:
                 state._ready = {"step": step, "first": mark}
             state._ready[index] = mark
-        if state._adopted_at is not None and streams.uses_streams(buffer.device):
+        adopted = state._adopted_at is not None and step >= state._adopted_at
+        if adopted and streams.uses_streams(buffer.device):
             # A CUDA job's future completes when its work is queued, not done: the job
             # times its work on the worker's stream by events (HookState.reduce).
             state._times.setdefault(step, {})[index] = []
-        elif state._adopted_at is not None:
+        elif adopted:
             timed = [time.perf_counter(), None]
             state._times.setdefault(step, {})[index] = [timed]
     if state.buckets.holds(index, layout):
@@ -997,30 +1013,73 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         if last:
             q.submit(lambda: state.reduce_held(step, q), buffer.device, name="gradcomp.buckets_held")
         return future.then(_value)
-    if state.auto and _native(state, index, buffer, step):
-        # Planned dense: torch's own all-reduce on the model's group, as DDP
-        # without a hook; only the statistics go through the worker.
-        account = functools.partial(
-            state.account_native, step, index, last, buffer.numel(), buffer.element_size(), q.world_size
-        )
-        q.submit(account, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
-        buffer.div_(q.world_size)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        return work.get_future().then(functools.partial(_done, timed, 0))
+    measure = _measurement_due(state, step, buffer.device) if last and state.auto else None
+    if state.auto and measure is None and _native(state, index, buffer, step):
+        return _reduce_natively(state, q, buffer, index, step, last, timed)
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
     future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
+    if measure is not None:
+        # After the step's last bucket, and holding it: DDP waits for this future before the
+        # optimizer step and the next forward pass, so the device runs nothing else meanwhile.
+        measured = functools.partial(_measured, measure, q, buffer)
+        future = q.submit(measured, buffer.device, writes=buffer, name="gradcomp.plan")
     return future.then(_value if timed is None else functools.partial(_done, timed, None))
+
+
+def _reduce_natively(state: HookState, q, buffer: torch.Tensor, index: int, step: int, last: bool, timed):
+    """A bucket planned dense: torch's own all-reduce on the model's group, as DDP without a
+    hook; only the statistics go through the worker. Its future (DDP's)."""
+    if streams.uses_streams(buffer.device):
+        # NCCL may deadlock where two communicators' collectives (the model's group here, the
+        # worker's clone there) are issued in orders that differ between ranks. This one is
+        # issued once the worker has issued those of every job submitted before it, and the
+        # jobs submitted after it come after: every rank issues them all in one order, the
+        # order of its calls, which is the same on every rank.
+        q.wait_issued()
+        intervals = state._times.get(step, {}).get(index)
+        if intervals is not None:  # timed from here to the end of the collective, by events
+            timed = [streams.timing_event(buffer.device), None]
+            intervals.append(timed)
+    buffer.div_(q.world_size)
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    account = functools.partial(
+        state.account_native, step, index, last, buffer.numel(), buffer.element_size(), q.world_size
+    )
+    q.submit(account, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
+    return work.get_future().then(functools.partial(_done, timed, 0))
+
+
+def _measurement_due(state: HookState, step: int, device: torch.device):
+    """(hook, a step's last bucket) What measures at the end of ``step`` on a GPU: the first
+    plan (from this step's buckets), or a re-plan a check asked for; None: nothing.
+
+    On GPUs the probe times its kernels and collectives by synchronizing the device, so it
+    runs where the training leaves the device idle: after the step's last bucket, while DDP
+    waits for it. On CPUs it runs while the backward pass does, as training runs the codecs:
+    their timings count the CPU time of their own thread beside a busy one
+    (:func:`gradcomp.planner.busy`)."""
+    if not streams.uses_streams(device):
+        return None
+    if state.plan is None and step + 1 >= state.warmup_steps:
+        state.plan, state._planned_at = [], step + 1  # the plan applies from the next step
+        return state.make_plan
+    if state._remeasure is not None and state._remeasure[1] == step:
+        return functools.partial(state.remeasure, why=state._remeasure[0])
+    return None
+
+
+def _measured(measure, q, buffer: torch.Tensor) -> torch.Tensor:
+    # (worker) The backward pass's kernels and the step's jobs finish first; the result is
+    # the bucket, so that DDP's wait on it is ordered after this job's work too.
+    streams.cuda.synchronize(buffer.device)
+    measure(q)
+    return buffer
 
 
 def _native(state: HookState, index: int, buffer: torch.Tensor, step: int) -> bool:
     # Only from the step after the one that planned: whether the plan job has
     # finished during its own step depends on timing, which differs by rank.
     if state._planned_at is None or step <= state._planned_at or not state.plan or index >= len(state.plan):
-        return False
-    if streams.uses_streams(buffer.device):
-        # NCCL may deadlock when two communicators' collectives (the model's
-        # group here, the worker's clone there) are issued in orders that
-        # differ between ranks: on GPUs every bucket goes through the worker.
         return False
     choice = state.plan[index]
     if choice.compressor != "none" or choice.numel != buffer.numel():
@@ -1067,15 +1126,17 @@ def _in_seconds(times: dict) -> list | None:
 
 def _done(timed: list | None, item: int | None, future: torch.futures.Future) -> torch.Tensor:
     # A bucket's result: when it came (for auto's drift check), then the tensor
-    # (torch's all-reduce gives a list of one).
-    if timed is not None:
-        timed[1] = time.perf_counter()
+    # (torch's all-reduce gives a list of one). On GPUs an event on the callback's
+    # stream, which waited for the collective.
     value = future.value()
-    return value if item is None else value[item]
+    tensor = value if item is None else value[item]
+    if timed is not None:
+        timed[1] = time.perf_counter() if isinstance(timed[0], float) else streams.timing_event(tensor.device)
+    return tensor
 
 
 def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: int) -> None:
-    if step >= state.warmup_steps and state.plan is None:
+    if step >= state.warmup_steps and state.plan is None and not streams.uses_streams(buffer.device):
         state.plan = []  # planned once, by this job, before the step's first bucket reduces
         state._planned_at = step
         q.submit(functools.partial(state.make_plan, q), buffer.device, name="gradcomp.plan")
@@ -1095,6 +1156,9 @@ def _plan_when_due(state: HookState, q, buffer: torch.Tensor, index: int, step: 
         state._pending = None
     if state._replanned is not None:
         state._switch(step)
+    if state._remeasure is not None and state._remeasure[1] is None:
+        state._remeasure = (state._remeasure[0], step)  # a check's re-plan, measured at this step's end
+        return
     since = step - state._adopted_at
     if state._trial is not None:
         # The plan's steps but the first (its switch), timed up to this one's start; a run

@@ -60,6 +60,8 @@ class CollectiveQueue:
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = clone_group(group)
+        timeout = group_timeout(group) or dist.constants.default_pg_timeout
+        self.timeout_seconds = timeout.total_seconds()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
@@ -68,6 +70,10 @@ class CollectiveQueue:
         self.lock = threading.Lock()
         self.failure: BaseException | None = None
         self.streams = streams.WorkerStreams()
+        # How many jobs were submitted, and how many the worker has started: a started job has
+        # issued every collective it will issue (it pauses only after its last). wait_issued().
+        self._submitted = self._started = 0
+        self._progress = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
@@ -86,8 +92,27 @@ class CollectiveQueue:
         share no storage: it must see the result of the one before it.
         """
         future = streams.new_future(device)
-        self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes, name))
+        with self._progress:
+            self._submitted += 1
+            self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes, name))
         return future
+
+    def wait_issued(self) -> None:
+        """Block until the worker has issued the collectives of every job submitted so far.
+
+        A collective the caller then issues on another communicator of the same
+        devices (DDP's own all-reduce on the model's group) comes after them on
+        every rank: NCCL may deadlock where two communicators' collectives are
+        issued in orders that differ between ranks. Jobs submitted later are issued
+        after it (the caller submits them later). Returns at once when the worker
+        has started them all; raises ``RuntimeError`` after the group's timeout."""
+        with self._progress:
+            target = self._submitted
+            if not self._progress.wait_for(lambda: self._started >= target, timeout=self.timeout_seconds):
+                raise RuntimeError(
+                    f"gradcomp: the collective worker did not issue the jobs before this one within "
+                    f"{self.timeout_seconds:.0f} s"
+                )
 
     def close(self) -> None:
         """Stop the worker after the jobs already submitted."""
@@ -125,6 +150,14 @@ class CollectiveQueue:
 
     def _start(self, job: _Started) -> None:
         """Run ``job`` up to its pause or to its end."""
+        try:
+            self._start_job(job)
+        finally:
+            with self._progress:
+                self._started += 1
+                self._progress.notify_all()
+
+    def _start_job(self, job: _Started) -> None:
         if self.failure is not None:
             job.error = self._earlier_failure()
             return
