@@ -76,6 +76,9 @@ def elapsed_seconds(start, end) -> float | None:
     return start.elapsed_time(end) / 1e3
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 class WorkerStreams:
     """The streams of one worker thread, one per device, created on first use."""
 
@@ -90,14 +93,16 @@ class WorkerStreams:
                 existing = self._streams[device] = cuda.Stream(device=device)
             return existing
 
-    @contextlib.contextmanager
     def running(self, device: torch.device, after=None, tensor: torch.Tensor | None = None):
         """Within: the worker's stream of ``device`` is current; it first waits on
         the event ``after`` (from :func:`submitted`), and ``tensor`` (the caller's)
         is marked as used by it."""
         if not uses_streams(device):
-            yield
-            return
+            return _NOTHING  # entered a few times a job: no generator to build
+        return self._running(device, after, tensor)
+
+    @contextlib.contextmanager
+    def _running(self, device: torch.device, after, tensor: torch.Tensor | None):
         stream = self.stream(device)
         if after is not None:
             stream.wait_event(after)

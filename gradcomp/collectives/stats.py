@@ -113,7 +113,10 @@ def profiled(name: str):
     (no dispatch, no cost) otherwise."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def measured(stats: ReduceStats, measure_error: bool, flat: torch.Tensor, residual, encode, decode):

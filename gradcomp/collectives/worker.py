@@ -120,6 +120,7 @@ class CollectiveQueue:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's only: no job records a graph
         paused = None  # a started job waiting on its exchange
         while True:
             if paused is not None and self._jobs.empty():
@@ -348,6 +349,9 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")
     group = group or dist.group.WORLD
+    existing = _QUEUES.get(group)  # every bucket asks: no lock once it exists
+    if existing is not None:
+        return existing
     with _QUEUES_LOCK:
         existing = _QUEUES.get(group)
         if existing is None:

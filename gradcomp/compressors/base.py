@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import ClassVar
 
@@ -25,6 +26,28 @@ def mix_seed(*parts: int) -> int:
         state = (state * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
         state ^= state >> 31
     return state & (2**63 - 1)
+
+
+@functools.cache
+def _option_names(kind: type) -> tuple[str, ...]:
+    # A class's constructor options, read once (inspect.signature costs tens of
+    # microseconds, and the settings are read at every all-reduce).
+    parameters = inspect.signature(kind.__init__).parameters
+    return tuple(name for name in parameters if name not in ("self", "feedback"))
+
+
+def without_grad(method):
+    """``torch.no_grad()`` as a decorator, free where grad mode is already off (the
+    collective worker turns it off for its thread: it runs every bucket's codec)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return method(*args, **kwargs)
+        with torch.no_grad():
+            return method(*args, **kwargs)
+
+    return run
 
 
 @dataclasses.dataclass
@@ -94,11 +117,7 @@ class Compressor:
 
     def settings(self) -> dict:
         """Every option that changes the bytes on the wire; ranks must agree on it."""
-        options = {
-            name: getattr(self, name)
-            for name in inspect.signature(type(self).__init__).parameters
-            if name not in ("self", "feedback")
-        }
+        options = {name: getattr(self, name) for name in _option_names(type(self))}
         return {"name": self.name, "feedback": self.needs_feedback, **options}
 
     def __repr__(self) -> str:
@@ -106,7 +125,7 @@ class Compressor:
         return f"{type(self).__name__}({options})"
 
     # ------------------------------------------------------------------ API
-    @torch.no_grad()
+    @without_grad
     def compress(self, tensor: torch.Tensor, ctx: Context | None = None) -> Payload:
         """Encode ``tensor`` (any shape; fp32, fp16, bf16 or fp64). Not differentiable:
         a tensor that requires grad is read as its value.
@@ -121,7 +140,7 @@ class Compressor:
         tensors, meta = self._encode_shaped(tensor.detach().reshape(-1), tensor.shape, ctx)
         return Payload(tensors, tensor.shape, tensor.dtype, meta)
 
-    @torch.no_grad()
+    @without_grad
     def decompress(
         self,
         payload: Payload,
@@ -163,7 +182,7 @@ class Compressor:
     # tensor, each row at least as long as its payload. The defaults below make
     # one call per row; compressors with row ops (quantizers, sign) override
     # them with one kernel launch whatever the number of rows.
-    @torch.no_grad()
+    @without_grad
     def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
         """Encode consecutive chunks of ``chunk`` elements of the 1-D ``flat``,
         chunk ``j`` into row ``j`` of ``rows``, each with its own slice of
@@ -174,14 +193,14 @@ class Compressor:
             payload = self.compress(flat[start:end], part)
             payload.to_buffer(out=rows[j, : buffer_size(payload.layout())])
 
-    @torch.no_grad()
+    @without_grad
     def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
         """Decode :meth:`compress_rows`' rows into ``out`` (1-D), chunk ``j`` from
         row ``j``; ``dtype`` is that of the tensor they encoded."""
         for row, (start, end) in zip(rows, ops.row_bounds(out.numel(), chunk), strict=False):
             self.decompress(self._from_row(row, end - start, dtype, {}), out=out[start:end])
 
-    @torch.no_grad()
+    @without_grad
     def decompress_sum(
         self, rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, *, meta=None, divisor: int = 1
     ) -> None:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from gradcomp import ops
-from gradcomp.compressors.base import Compressor, Context, check_positive_int
+from gradcomp.compressors.base import Compressor, Context, check_positive_int, without_grad
 from gradcomp.ops import reference
 from gradcomp.payload import Layout, Payload, buffer_size, row_views
 
@@ -72,7 +72,7 @@ class BlockQuantizer(Compressor):
         """Whether the row ops apply: whole blocks a chunk, whole bytes of codes a block."""
         return chunk % self.block == 0 and (self.block * self.bits) % 8 == 0
 
-    @torch.no_grad()
+    @without_grad
     def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
         if not self._rows_fit(chunk):
             return super().compress_rows(flat, chunk, rows, ctx)
@@ -80,13 +80,13 @@ class BlockQuantizer(Compressor):
         random = (self.stochastic, self._private_seed(ctx))
         ops.quantize_rows(flat, self.bits, self.block, chunk, rows, *random, ctx.residual, **options)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
         if not self._rows_fit(chunk):
             return super().decompress_rows(rows, dtype, chunk, out)
         ops.dequantize_rows(rows, self.bits, self.block, out.numel(), chunk, out, levels=self.levels)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
         if not self._rows_fit(self.block):
             return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)
@@ -185,7 +185,7 @@ class Ternary(BlockQuantizer):
         groups = [(slice(0, full), chunk)] if full else []
         return groups + ([(slice(full, full + 1), rest)] if rest else [])
 
-    @torch.no_grad()
+    @without_grad
     def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
         if not self._rows_fit(chunk):
             return Compressor.compress_rows(self, flat, chunk, rows, ctx)
@@ -196,7 +196,7 @@ class Ternary(BlockQuantizer):
         for which, numel in self._row_groups(flat.numel(), chunk):
             self._convert(wide[which], rows[which], numel, flat.dtype, pack=True)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
         if not self._rows_fit(chunk):
             return Compressor.decompress_rows(self, rows, dtype, chunk, out)
@@ -207,7 +207,7 @@ class Ternary(BlockQuantizer):
             self._convert(wide[which], rows[which], numel, dtype, pack=False)
         super().decompress_rows(wide, dtype, chunk, out)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
         numel = out.numel()
         wide = torch.empty(

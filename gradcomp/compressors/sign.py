@@ -7,7 +7,7 @@ import math
 import torch
 
 from gradcomp import ops
-from gradcomp.compressors.base import Compressor, Context, check_positive_int
+from gradcomp.compressors.base import Compressor, Context, check_positive_int, without_grad
 from gradcomp.payload import Layout, Payload
 
 
@@ -46,19 +46,19 @@ class Sign(Compressor):
         """Whether the row ops apply: whole blocks a chunk, whole bytes of signs a block."""
         return chunk % self.block == 0 and self.block % 8 == 0
 
-    @torch.no_grad()
+    @without_grad
     def compress_rows(self, flat: torch.Tensor, chunk: int, rows: torch.Tensor, ctx: Context) -> None:
         if not self._rows_fit(chunk):
             return super().compress_rows(flat, chunk, rows, ctx)
         ops.sign_compress_rows(flat, self.block, chunk, rows, ctx.residual)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_rows(self, rows: torch.Tensor, dtype: torch.dtype, chunk: int, out: torch.Tensor) -> None:
         if not self._rows_fit(chunk):
             return super().decompress_rows(rows, dtype, chunk, out)
         ops.sign_decompress_rows(rows, self.block, out.numel(), chunk, out)
 
-    @torch.no_grad()
+    @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
         if not self._rows_fit(self.block):
             return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gradcomp import ops
-from gradcomp.compressors.base import Compressor, Context, resolve_k
+from gradcomp.compressors.base import Compressor, Context, resolve_k, without_grad
 from gradcomp.payload import Layout, Payload, row_views
 
 INDEX_DTYPES = {"auto": None, "int32": torch.int32, "int64": torch.int64}
@@ -37,7 +37,7 @@ class _Sparse(Compressor):
         """The indices of every row's payload, rank after rank (1-D)."""
         raise NotImplementedError
 
-    @torch.no_grad()
+    @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
         """Every rank's payload in one scatter-add (on a GPU, atomic: repeated
         indices are summed in no fixed order); a mean divides each payload's

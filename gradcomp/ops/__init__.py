@@ -66,9 +66,17 @@ _OPTIONAL = {
 _AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "cpu": ("cpu",), "torch": ("cpu", "cuda")}
 
 
+# (op, device, GRADCOMP_BACKEND as set, the registry's entries) -> the function
+# implementation() chose: an op runs per bucket, and choosing costs more than some
+# ops on small tensors.
+_CHOSEN: dict[tuple, tuple] = {}
+_OPTIONAL_TRIED: set[str] = set()
+
+
 def _load_optional(name: str) -> None:
-    if name in _REGISTRY or name not in _OPTIONAL:
+    if name in _REGISTRY or name not in _OPTIONAL or name in _OPTIONAL_TRIED:
         return
+    _OPTIONAL_TRIED.add(name)
     module_name, package = _OPTIONAL[name]
     if importlib.util.find_spec(package) is None:
         return
@@ -103,7 +111,11 @@ def register_backend(
 
 def forced_backend() -> str | None:
     """The backend named by ``GRADCOMP_BACKEND``, or None when unset."""
-    name = os.environ.get("GRADCOMP_BACKEND", "").strip().lower()
+    return _forced(os.environ.get("GRADCOMP_BACKEND", ""))
+
+
+def _forced(setting: str) -> str | None:
+    name = setting.strip().lower()
     if not name:
         return None
     if name not in BACKENDS:
@@ -126,8 +138,17 @@ def check_forced_backend() -> None:
 
 def implementation(op: str, device: torch.device) -> Callable:
     """The function that runs ``op`` for tensors on ``device``."""
+    # The registry's entries are in the key: a test may swap one in place.
+    key = (op, device, os.environ.get("GRADCOMP_BACKEND", ""), *map(id, _REGISTRY.values()))
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        # The entries are kept with the choice: their ids cannot be reused meanwhile.
+        chosen = _CHOSEN[key] = (_choose(op, device, _forced(key[2])), tuple(_REGISTRY.values()))
+    return chosen[0]
+
+
+def _choose(op: str, device: torch.device, forced: str | None) -> Callable:
     check_forced_backend()
-    forced = forced_backend()
     if forced is not None:
         is_available, functions = _REGISTRY[forced]
         if op not in functions:

@@ -20,22 +20,75 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+class Bound:
+    """A call bound to an op's signature, defaults applied: ``arguments`` (name ->
+    value, in the signature's order), and ``args`` / ``kwargs`` to call a backend with."""
+
+    __slots__ = ("arguments", "_signature")
+
+    def __init__(self, arguments: dict, signature: _Signature):
+        self.arguments, self._signature = arguments, signature
+
+    @property
+    def args(self) -> tuple:
+        return tuple(self.arguments[name] for name in self._signature.positional)
+
+    @property
+    def kwargs(self) -> dict:
+        return {name: self.arguments[name] for name in self._signature.keyword_only}
+
+
+class _Signature:
+    """An op's parameters, read once from its reference: binding a call is then a few
+    dict operations (``inspect.Signature.bind`` costs tens of microseconds a call)."""
+
+    def __init__(self, op: str):
+        parameters = inspect.signature(getattr(reference, op)).parameters.values()
+        kinds = {parameter.kind for parameter in parameters}
+        assert kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}, op
+        self.op = op
+        self.names = tuple(parameter.name for parameter in parameters)
+        kind = inspect.Parameter
+        self.positional = tuple(p.name for p in parameters if p.kind == kind.POSITIONAL_OR_KEYWORD)
+        self.keyword_only = tuple(p.name for p in parameters if p.kind == kind.KEYWORD_ONLY)
+        self.defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+    def bind(self, args: tuple, kwargs: dict) -> dict:
+        if len(args) > len(self.positional):
+            raise TypeError(f"{self.op}: takes {len(self.positional)} positional arguments, got {len(args)}")
+        given = dict(zip(self.positional, args, strict=False))  # too many: refused above
+        for name, value in kwargs.items():
+            if name in given:
+                raise TypeError(f"{self.op}: multiple values for argument {name!r}")
+            if name not in self.defaults and name not in self.names:
+                raise TypeError(f"{self.op}: got an unexpected keyword argument {name!r}")
+            given[name] = value
+        arguments = {}
+        for name in self.names:
+            if name in given:
+                arguments[name] = given[name]
+            elif name in self.defaults:
+                arguments[name] = self.defaults[name]
+            else:
+                raise TypeError(f"{self.op}: missing a required argument: {name!r}")
+        return arguments
+
+
 @functools.cache
-def _signature(op: str) -> inspect.Signature:
-    return inspect.signature(getattr(reference, op))
+def _signature(op: str) -> _Signature:
+    return _Signature(op)
 
 
-def checked(op: str, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+def checked(op: str, args: tuple, kwargs: dict) -> Bound:
     """``op``'s arguments bound, checked and completed; raises ``TypeError`` or
     ``ValueError`` naming the argument at fault."""
-    bound = _signature(op).bind(*args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
+    signature = _signature(op)
+    values = signature.bind(args, kwargs)
     for name in values:
         check = _CHECKS.get(name)
         if check is not None:
             check(values, op)
-    return bound
+    return Bound(values, signature)
 
 
 def _is_int(value) -> bool:
