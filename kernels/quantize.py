@@ -133,8 +133,9 @@ def _dequantize_kernel(
         # Rows 0..summed_rows-1 each hold the whole tensor; added in row order, then divided.
         value = tl.zeros((WIDTH,), tl.float32)
         # A while loop: Triton's interpreter (under numpy 2.4) cannot take a
-        # runtime bound in range().
-        row = 0
+        # runtime bound in range(). The row index in 64 bits: a literal 0 would
+        # make it (and row * row_stride) 32-bit, which wraps in a buffer of 2 GiB.
+        row = tl.zeros((), tl.int64)
         while row < summed_rows:
             byte = tl.load(
                 codes_ptr + row * row_stride + codes_base + element // per_byte, mask=mask, other=0

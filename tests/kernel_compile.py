@@ -10,8 +10,11 @@ launchers then run as they do on a GPU, on CPU tensors whose memory is never
 read, so every specialization they produce (pointer dtypes, constexpr
 flags, integers equal to 1 or divisible by 16) goes through Triton's real
 compiler and ptxas. Each specialization is compiled a second time with its
-sizes (``numel``, ``nbytes``, ``k``, ``count``) above 2**31, as 64-bit
-integers, the way a tensor of more than 2**31 elements reaches the kernel.
+sizes (``numel``, ``nbytes``, ``k``, ``count``, ``row_stride``) above 2**31,
+as 64-bit integers, the way a tensor of more than 2**31 elements reaches the
+kernel. A row stride that fits 32 bits still addresses a gathered buffer of
+2 GiB or more once a row index multiplies it: each record counts the
+products of ``row_stride`` the kernel's Triton IR forms in 32 bits.
 
 The cases call the launchers with every input dtype, residual dtype, output
 dtype, bit width, ``levels`` (1 included), rounding mode, block (packed and
@@ -25,14 +28,18 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 
 # Sizes that reach 2**31 on large tensors: compiled again as 64-bit integers.
-SIZE_PARAMETERS = ("numel", "nbytes", "k", "count", "total_blocks")
+SIZE_PARAMETERS = ("numel", "nbytes", "k", "count", "total_blocks", "row_stride")
 WIDE = 2**31 + 3
+# Strides a row index multiplies: the product passes 2**31 (row 2 of a buffer
+# of 1 GiB rows) while the stride itself reaches the kernel as a 32-bit integer.
+ROW_STRIDE_PARAMETERS = ("row_stride",)
 
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 
@@ -102,10 +109,46 @@ def _compile(original, function, args, kwargs, grid, records: list[dict], wide: 
         fma=sum("fma.rn.f32" in line for line in ptx.splitlines()),
         ftz=sum(".ftz" in line for line in ptx.splitlines()),
         approximate=sum(".approx" in line for line in ptx.splitlines()),
+        narrow_row_offsets=sum(
+            len(narrow_products(kernel.asm["ttir"], name))
+            for name in ROW_STRIDE_PARAMETERS
+            if name in function.arg_names
+        ),
         arch=kernel.metadata.target.arch,
     )
     records.append(record)
     return kernel
+
+
+_DEFINITION = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)(.*)$")
+
+
+def narrow_products(ttir: str, parameter: str) -> list[str]:
+    """The lines of ``ttir`` (Triton IR, one operation a line) that multiply a
+    value made from argument ``parameter`` in fewer than 64 bits.
+
+    A value is made from ``parameter`` if an operation on it or on such a value
+    produced it (``row_stride // 4``, a splat of it), until a sign or zero
+    extension widens it to 64 bits: a product of that can no longer wrap.
+    """
+    made = {f"%{parameter}"}
+    found = []
+    for line in ttir.splitlines():
+        definition = _DEFINITION.match(line)
+        if definition is None:
+            continue
+        result, operation, rest = definition.groups()
+        code = rest.split(" loc(")[0]
+        operands = {re.sub(r"#\d+$", "", name) for name in re.findall(r"%[\w.$#-]+", code)}
+        if not operands & made:
+            continue
+        types = code.rsplit(" : ", 1)[-1]
+        if operation in ("arith.extsi", "arith.extui") and types.endswith(("i64", "xi64>")):
+            continue
+        made.add(result)
+        if operation == "arith.muli" and not types.endswith(("i64", "xi64>")):
+            found.append(line.strip())
+    return found
 
 
 # ----------------------------------------------------------------------------- cases
@@ -327,7 +370,8 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
 
 
 def _control_cases() -> list[tuple[str, Callable[[], object]]]:
-    """``a * b + c`` with and without fusion: the PTX check must see the difference."""
+    """``a * b + c`` with and without fusion, and a row sum with its row index in 32
+    and in 64 bits: the PTX and IR checks must see the differences."""
     import torch
     import triton
     import triton.language as tl
@@ -338,11 +382,33 @@ def _control_cases() -> list[tuple[str, Callable[[], object]]]:
         a, b, c = tl.load(a_ptr + offsets), tl.load(b_ptr + offsets), tl.load(c_ptr + offsets)
         tl.store(out_ptr + offsets, a * b + c)
 
+    @triton.jit
+    def _control_row_sum_kernel(rows_ptr, out_ptr, row_stride, summed_rows, WIDE_ROW: tl.constexpr):
+        lane = tl.arange(0, 16)
+        total = tl.zeros((16,), tl.float32)
+        if WIDE_ROW:
+            row = tl.zeros((), tl.int64)
+        else:
+            row = 0
+        while row < summed_rows:
+            total += tl.load(rows_ptr + row * row_stride + lane).to(tl.float32)
+            row += 1
+        tl.store(out_ptr + lane, total)
+
     def launch(fused: bool):
         a, b, c, out = (torch.zeros(64) for _ in range(4))
         _control_multiply_add_kernel[(1,)](a, b, c, out, BLOCK=64, enable_fp_fusion=fused)
 
-    return [("control fused", lambda: launch(True)), ("control exact", lambda: launch(False))]
+    def row_sum(wide: bool):
+        rows = torch.zeros(4, 32, dtype=torch.uint8)
+        _control_row_sum_kernel[(1,)](rows, torch.zeros(16), rows.stride(0), 4, WIDE_ROW=wide)
+
+    return [
+        ("control fused", lambda: launch(True)),
+        ("control exact", lambda: launch(False)),
+        ("control narrow rows", lambda: row_sum(False)),
+        ("control wide rows", lambda: row_sum(True)),
+    ]
 
 
 def defined_kernels() -> list[str]:

@@ -6,6 +6,8 @@ refuses, so this runs :mod:`kernel_compile` in fresh processes, without
 Kernels that must match torch bit for bit (launched with
 ``enable_fp_fusion=False``) must also contain no instruction that rounds
 otherwise: no fused multiply-add, no flushed subnormals, no approximations.
+No kernel multiplies a row stride in 32 bits: a row index times a stride
+that fits 32 bits passes 2**31 in a gathered buffer of 2 GiB.
 """
 
 from __future__ import annotations
@@ -49,9 +51,17 @@ def check(defined: list[str], records: list[dict]) -> None:
     assert not failed, f"{len(failed)} specializations failed to compile; the first:\n" + failed[0]
     compiled = {r["kernel"] for r in records}
     assert set(defined) <= compiled, f"kernels no case compiles: {sorted(set(defined) - compiled)}"
-    control = {r["case"]: r for r in records if r["case"].startswith("control")}
+    control = {r["case"]: r for r in records if r["case"].startswith("control") and not r["wide"]}
     assert control["control fused"]["fma"] > 0, "the PTX check cannot see a fused multiply-add"
     assert control["control exact"]["fma"] == 0
+    assert control["control narrow rows"]["narrow_row_offsets"] > 0, "the IR check cannot see a 32-bit offset"
+    assert control["control wide rows"]["narrow_row_offsets"] == 0
+    narrow = [
+        f"{r['case']} / {r['kernel']} (row_stride {r['signature']['row_stride']}): {r['narrow_row_offsets']}"
+        for r in records
+        if r.get("narrow_row_offsets") and not r["case"].startswith("control")
+    ]
+    assert not narrow, "kernels that multiply row_stride in 32 bits:\n" + "\n".join(narrow[:10])
     inexact = [
         f"{r['case']} / {r['kernel']}: fma {r['fma']}, ftz {r['ftz']}, approx {r['approximate']}"
         for r in records
@@ -68,3 +78,18 @@ def test_every_specialization_compiles_for_sm80_and_sm90():
     check(defined, records)
     assert {r["target"] for r in records} == {80, 90}
     assert any(r["wide"] for r in records), "no 64-bit size was compiled"
+
+
+@pytest.mark.slow
+def test_first_case_of_each_launcher_compiles_with_64_bit_row_offsets():
+    # One process, sm_90, the first case of every launcher: the decode-sum
+    # loops (dequantize_sum, sign_decompress_sum) among them, with a 32-bit row_stride.
+    defined, records = compile_records((90,), every=10**6)
+    check(defined, records)
+    launchers = ("dequantize_rows", "sign_rows")
+    summed = {
+        r["kernel"]
+        for r in records
+        if r["case"].split()[0] in launchers and r["signature"].get("row_stride") == "i32"
+    }
+    assert {"_dequantize_kernel", "_sign_decode_kernel"} <= summed, summed
