@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import dataclasses
 import datetime
 import hashlib
@@ -241,12 +240,15 @@ def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGr
     torch would create it by splitting the default group's communicator, a
     collective over every rank of the job, which the ranks outside ``ranks``
     never join: for a group smaller than the job the binding is lifted for
-    the call, and the group connects on its own, among its ranks.
+    the call, and the group connects on its own, among its ranks. NCCL
+    groups get fresh options with ``group``'s settings
+    (:func:`_nccl_options_like`), never its communicator's split source.
     """
-    options = {"timeout": group_timeout(group), "backend": dist.get_backend_config(group)}
+    timeout = group_timeout(group)
+    options = {"timeout": timeout, "backend": dist.get_backend_config(group)}
     nccl = _backend_of(group, "cuda")
     if nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL":
-        options["pg_options"] = copy.deepcopy(nccl.options)
+        options["pg_options"] = _nccl_options_like(nccl, timeout)
     default = dist.distributed_c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
     lift = bound is not None and len(ranks) < dist.get_world_size()
@@ -258,6 +260,40 @@ def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGr
         finally:
             if lift:
                 default.bound_device_id = bound
+
+
+# ncclConfig_t fields (as torch binds them) a new communicator takes from its
+# group's: the job's tuning (blocking calls, CTA counts, cluster size, network
+# plugin), nothing that names a communicator. Not split_share: it makes a split
+# child share its parent's internal resources, and the worker's group must
+# progress on its own beside the model's (a clone of the whole job is split).
+_NCCL_CONFIG_FIELDS = ("blocking", "cga_cluster_size", "min_ctas", "max_ctas", "net_name")
+
+
+def _nccl_options_like(nccl, timeout: datetime.timedelta | None):
+    """New ``ProcessGroupNCCL.Options`` with the settings of backend ``nccl``'s.
+
+    Not a copy: torch's ``_new_process_group_helper`` writes ``split_from``
+    and ``split_color`` into the options of a group it splits from a
+    device-bound default group, and overwrites them only where it splits
+    again, which it does not for the groups this module creates with the
+    binding lifted. With a copy's, ProcessGroupNCCL (``initNCCLComm``) would
+    split the new group's communicator from the default group's with the
+    colour of ``nccl``'s ranks, a collective of every rank that the ranks
+    outside the new group never join: a hang. ``global_ranks_in_group`` and
+    ``group_name`` are the new group's, set by torch.
+    """
+    parent = nccl.options
+    options = type(nccl).Options(is_high_priority_stream=parent.is_high_priority_stream)
+    if timeout is not None:
+        options._timeout = timeout  # torch warns where it differs from the group's timeout
+    config, fresh = getattr(parent, "config", None), getattr(options, "config", None)
+    if config is not None and fresh is not None:
+        for field in _NCCL_CONFIG_FIELDS:
+            value = getattr(config, field, None)
+            if value is not None:  # an unset net_name reads None; setting None would fail
+                setattr(fresh, field, value)
+    return options
 
 
 _GROUPS_LOCK = threading.Lock()
