@@ -8,34 +8,46 @@ write, over its time) and that bandwidth as a fraction of a plain copy's,
 measured in the same run. Triton and CUDA run on CUDA tensors only here
 (Triton's CPU interpreter is for testing, not timing).
 
-A second section, where the cuda backend runs, times Top-K selection alone:
-the CUDA radix select (``topk_select``, exact, no residual) against
-``torch.topk(x.abs(), k)`` at 0.1%, 1% and 10% of 16M..256M fp32 elements, and
-both against one device-to-device copy of the input.
+A second section times Top-K selection alone on the fastest backend that
+has it (the CUDA radix select where the cuda backend runs; Triton's, or the
+cpu backend's on CPU): ``topk_select`` (exact, no residual) against
+``torch.topk(x.abs(), k)`` at 0.1%, 1% and 10% of 16M..256M fp32 elements
+on a GPU (1M on CPU), and both against one device-to-device copy of the
+input.
+
+Backends are called directly, without the op boundary's checks, so that the
+timings are the kernels'; the first call of each op is checked to pass the
+arguments the boundary would complete (``levels``, ``index_dtype``): a
+backend completes nothing (the CUDA one fails on ``index_dtype=None``), and a
+run on CPU finds a call that forgets one before a GPU does.
 
     python bench/kernels.py                      # 1M..256M elements on a GPU, 1M..4M on CPU
     python bench/kernels.py --sizes 64M --ops quantize_int8_ef,copy --topk-sizes 64M
 
-Writes ``bench/results/kernels-<machine>.{csv,json}``.
+Writes ``bench/results/kernels-<machine>.{csv,json}``, again after every
+size: a run stopped midway keeps the sizes it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import statistics
 import time
+from collections.abc import Iterator
 
 import common
 import torch
 
 import gradcomp
 from gradcomp import ops
-from gradcomp.ops import reference
+from gradcomp.ops import checks, reference
 
 GPU_SIZES = "1M,4M,16M,64M,256M"
 CPU_SIZES = "1M,4M"
 TOPK_SIZES = "16M,64M,256M"
+CPU_TOPK_SIZES = "1M"
 TOPK_RATIOS = "0.001,0.01,0.1"
 
 # H200 targets from the project's issues, checked at this size when a GPU runs.
@@ -153,11 +165,40 @@ def provides(backend: str, op: str) -> bool:
     return op in _REGISTRY[backend][1]
 
 
+def incomplete_arguments(op: str, args: tuple, kwargs: dict) -> list[str]:
+    """The arguments of a call of ``op`` left None that the op boundary would complete
+    (:mod:`gradcomp.ops.checks`): a backend called directly gets them as they are."""
+    given = inspect.signature(getattr(reference, op)).bind(*args, **kwargs)
+    given.apply_defaults()
+    completed = checks.checked(op, args, kwargs).arguments
+    return [name for name, value in completed.items() if given.arguments[name] is None and value is not None]
+
+
 def lookup(backend: str):
+    """``op -> function`` of ``backend``, called directly (no checks in a timed loop).
+    The first call of each op is checked for arguments the op boundary would have
+    completed (``TypeError``): backends complete nothing."""
     from gradcomp.ops import _REGISTRY
 
-    functions = _REGISTRY[backend][1]
-    return lambda op: functions[op]
+    functions, checked = _REGISTRY[backend][1], set()
+
+    def find(op: str):
+        function = functions[op]
+
+        def call(*args, **kwargs):
+            if op not in checked:
+                missing = incomplete_arguments(op, args, kwargs)
+                if missing:
+                    raise TypeError(
+                        f"{backend} {op} called directly with {', '.join(missing)} left None: the op "
+                        "boundary completes them (gradcomp.ops.checks), a backend does not; pass them"
+                    )
+                checked.add(op)
+            return function(*args, **kwargs)
+
+        return call
+
+    return find
 
 
 def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
@@ -220,23 +261,31 @@ def topk_label(ratio: float) -> str:
     return f"topk_{ratio * 100:g}pct"
 
 
-def measure_topk(n: int, device: torch.device, ratios: list[float], args) -> list[dict]:
-    """CUDA Top-K (exact, no residual) and ``torch.topk(x.abs(), k)`` at ``n`` fp32
-    elements, each against one device-to-device copy of the input."""
+def topk_backend(backends: list[str]) -> str:
+    """The backend the Top-K section times: the fastest one here that has ``topk_select``."""
+    return next(name for name in ("cuda", "triton", "cpu", "torch") if name in backends)
+
+
+def measure_topk(n: int, device: torch.device, backend: str, ratios: list[float], args) -> list[dict]:
+    """``backend``'s Top-K (exact, no residual) and ``torch.topk(x.abs(), k)`` at ``n``
+    fp32 elements, each against one device-to-device copy of the input."""
     x = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(0))
     copy_target = torch.empty_like(x)
     copy_seconds = timed(lambda: copy_target.copy_(x), device, args.warmup, args.iters)
-    select = lookup("cuda")("topk_select")
+    select = lookup(backend)("topk_select")
+    index_dtype = reference.index_dtype_for(n)
     records = []
     for ratio in ratios:
         k = max(1, round(ratio * n))
         baseline = timed(lambda k=k: torch.topk(x.abs(), k, sorted=False), device, args.warmup, args.iters)
-        radix = timed(lambda k=k: select(x, k, None, True), device, args.warmup, args.iters)
-        for backend, seconds in (("torch.topk", baseline), ("cuda", radix)):
+        selected = timed(
+            lambda k=k: select(x, k, None, True, index_dtype=index_dtype), device, args.warmup, args.iters
+        )
+        for name, seconds in (("torch.topk", baseline), (backend, selected)):
             records.append(
                 {
                     "op": topk_label(ratio),
-                    "backend": backend,
+                    "backend": name,
                     "elements": n,
                     "k": k,
                     "median_ms": seconds * 1e3,
@@ -248,29 +297,30 @@ def measure_topk(n: int, device: torch.device, ratios: list[float], args) -> lis
     return records
 
 
-def run(args) -> list[dict]:
+def run(args) -> Iterator[list[dict]]:
+    """The records of each size, then of each Top-K size, as each is measured."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    default = GPU_SIZES if device.type == "cuda" else CPU_SIZES
-    sizes = [common.parse_size(s) for s in common.split_list([args.sizes or default])]
+    on_gpu = device.type == "cuda"
+    sizes = [
+        common.parse_size(s) for s in common.split_list([args.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)])
+    ]
     wanted = [op for op in common.split_list([args.ops]) if op != "copy"] if args.ops else None
     backends = backends_for(device)
-    topk_sizes = (
-        [common.parse_size(s) for s in common.split_list([args.topk_sizes])] if "cuda" in backends else []
-    )
+    topk = (TOPK_SIZES if on_gpu else CPU_TOPK_SIZES) if args.topk_sizes is None else args.topk_sizes
+    topk_sizes = [common.parse_size(s) for s in common.split_list([topk])]
     ratios = [float(r) for r in common.split_list([args.topk_ratios])]
-    records = []
     progress = common.Progress(total=len(sizes) + len(topk_sizes), enabled=args.progress)
     for position, n in enumerate(sizes):
         progress.update(position, f"{elements(n)} elements")
-        records += measure_size(n, device, backends, wanted, args)
-        if device.type == "cuda":
+        yield measure_size(n, device, backends, wanted, args)
+        if on_gpu:
             torch.cuda.empty_cache()
     for position, n in enumerate(topk_sizes, start=len(sizes)):
         progress.update(position, f"Top-K at {elements(n)} elements")
-        records += measure_topk(n, device, ratios, args)
-        torch.cuda.empty_cache()
+        yield measure_topk(n, device, topk_backend(backends), ratios, args)
+        if on_gpu:
+            torch.cuda.empty_cache()
     progress.close()
-    return records
 
 
 def check_targets(records: list[dict]) -> list[str]:
@@ -317,8 +367,10 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--ops", help="comma list of ops (default all)")
     result.add_argument(
         "--topk-sizes",
-        default=TOPK_SIZES,
-        help=f"elements of the Top-K section, run where the cuda backend runs (default {TOPK_SIZES})",
+        help=(
+            f"elements of the Top-K section (default {TOPK_SIZES} on GPU, {CPU_TOPK_SIZES} on CPU; "
+            "'' for none)"
+        ),
     )
     result.add_argument(
         "--topk-ratios",
@@ -339,11 +391,8 @@ def parser() -> argparse.ArgumentParser:
     return result
 
 
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
-    results = common.Results("kernels", common.machine(1, "single-process"), vars(args), directory=args.out)
-    records = run(args)
-    print(f"# machine: {results.machine['machine']}")
+def print_tables(records: list[dict]) -> None:
+    """The op table and the Top-K table of ``records`` (either may be empty)."""
     header = ["op", "backend", "elements", "median ms", "GB/s", "of copy", "vs torch"]
     rows = [
         [
@@ -358,10 +407,11 @@ def main(argv=None) -> None:
         for r in records
         if "gb_per_s" in r
     ]
-    print(common.format_table(header, rows))
+    if rows:
+        print(common.format_table(header, rows), flush=True)
     topk = [r for r in records if "speedup_vs_torch_topk" in r]
     if topk:
-        print("\n# Top-K alone: CUDA radix select vs torch.topk(x.abs(), k), fp32, no residual")
+        print("# Top-K alone: the backend's exact select vs torch.topk(x.abs(), k), fp32, no residual")
         header = ["k / n", "backend", "elements", "k", "median ms", "copy ms", "x copy", "vs torch.topk"]
         rows = [
             [
@@ -376,12 +426,22 @@ def main(argv=None) -> None:
             ]
             for r in topk
         ]
-        print(common.format_table(header, rows))
-    elif args.topk_sizes:
-        print("\n# Top-K section skipped: the cuda backend does not run here")
+        print(common.format_table(header, rows), flush=True)
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    results = common.Results("kernels", common.machine(1, "single-process"), vars(args), directory=args.out)
+    print(f"# machine: {results.machine['machine']}", flush=True)
+    records: list[dict] = []
+    paths: list[str] = []
+    for measured in run(args):  # written after every size: a run stopped midway keeps them
+        records += measured
+        print_tables(measured)
+        paths = results.write(records, extra={"gradcomp": gradcomp.__version__})
     for line in check_targets(records):
         print(line)
-    for path in results.write(records, extra={"gradcomp": gradcomp.__version__}):
+    for path in paths:
         print(f"# wrote {path}")
 
 
