@@ -1,37 +1,58 @@
-"""The DDP hook end to end on one GPU: results against the torch backend, and overlap from a profile.
+"""The DDP hook on one GPU: its overlap with the backward pass, and its results against the torch backend.
 
-Run by ``bench/gpu_check.sh`` (it needs a CUDA GPU):
+Run by ``bench/gpu_check.sh`` (``--dry-run``: CPU tensors, Gloo, a tiny model),
+one section per call:
 
-* one rank over NCCL: a small MLP trains a few steps with gradcomp's hook
-  (int8, Top-K) once per backend (the GPU one, then ``GRADCOMP_BACKEND=torch``);
-  the parameters must agree bit for bit (a few ulp for sign); and the same
-  for ``gradcomp.optim.CompressedAdam`` (int8 momentum after 3 AdamW steps);
-* two ranks over Gloo on CUDA tensors, the same GPU, if Gloo takes the
-  collectives used: the same comparison, then one step profiled with
-  ``torch.profiler`` on rank 0. From the trace: the streams gradcomp's
-  kernels ran on (they must not be the backward stream) and how much of
-  their time overlapped the backward pass's kernels.
+* ``--section overlap``: one rank over NCCL, a deep stack of Linear layers
+  whose backward pass takes at least 10 ms (the batch doubles until it
+  does), DDP with 25 MB buckets and gradcomp's int8 hook; one backward pass
+  profiled with ``torch.profiler``. From the trace: the streams of the work
+  gradcomp's worker thread launched (they must not be the backward pass's),
+  and how much of its time overlapped the backward pass's kernels. A
+  bucket's work is queued when DDP hands the bucket over, so everything but
+  the last buckets' can overlap the layers still to be differentiated.
+* ``--section compare``: a small MLP trains a few steps with the hook (int8,
+  Top-K, sign) and with ``CompressedAdam`` (int8), once on the default
+  backends and once with ``GRADCOMP_BACKEND=torch``: the parameters must
+  agree bit for bit (a few ulp for sign). On one rank over NCCL, then on
+  two ranks over Gloo on CUDA tensors of the same GPU.
 
-Prints one line per check and writes ``gpu_ddp-<gpu>.json`` (and the
-trace) under ``--out``. Exits non-zero if a result differs.
+Writes the checks under "ddp overlap" / "ddp compare" in
+``<out>/gpu_check.json`` (``--trace``: the profile's Chrome trace); exits 1
+if a check fails.
+
+    python bench/gpu_ddp.py --section overlap --trace bench/results/gpu_ddp-trace.json
+    python bench/gpu_ddp.py --section compare --dry-run --out /tmp/gc
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
+import threading
 import time
-import traceback
 
+import gpu_setup
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import gradcomp
+from gradcomp.spawn import run_ranks
 
 STEPS = 4
-BUCKET_MB = 0.25
+COMPARE_BUCKET_MB = 0.25
+GPU_MLP_WIDTH = 1024
+DRY_RUN_MLP_WIDTH = 64
+OVERLAP_BUCKET_MB = 25
+# The overlap model on a GPU: 16 layers of 2048x2048 fp32 weights, 16 MB each: DDP's
+# 25 MB cap puts two in a bucket. The batch doubles from 4096 until the backward
+# pass takes at least MIN_BACKWARD_MS.
+GPU_MODEL = {"width": 2048, "layers": 16, "batch": 4096}
+DRY_RUN_MODEL = {"width": 64, "layers": 4, "batch": 32}
+MIN_BACKWARD_MS = 10.0
+MAX_DOUBLINGS = 4
+# Kernels of gradcomp's Triton and CUDA sources: what the overlap counts as gradcomp's
+# where a kernel's launch is not in the trace.
 GPU_NAMES = (
     "quantize",
     "dequantize",
@@ -42,192 +63,279 @@ GPU_NAMES = (
     "topk",
     "pack",
     "gather",
-    "compensate",
+    "fold",
+    "randk",
 )
+# Device work in a trace: kernels, copies and fills on a GPU; operators on a CPU,
+# where a thread stands for a stream.
+DEVICE_CATEGORIES = {"cuda": ("kernel", "gpu_memcpy", "gpu_memset"), "cpu": ("cpu_op",)}
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
-def make_model() -> torch.nn.Module:
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU()]
+# ----------------------------------------------------------------------------- overlap
+
+
+def linear_stack(width: int, layers: int) -> torch.nn.Sequential:
+    """``layers`` Linear(width, width) + ReLU, seeded without touching the global RNG."""
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(
+        *[module for _ in range(layers) for module in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) / width**0.5)
+    return model
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length two unions of intervals share."""
+    shared, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
+def by_name(event: dict) -> bool:
+    return any(name in event["name"] for name in GPU_NAMES)
+
+
+def overlap_from_trace(events: list[dict], worker_threads: set[int], device_type: str) -> dict:
+    """gradcomp's device work (launched by its worker thread) against the rest (the
+    backward pass) in a Chrome trace's ``events``: their streams, busy microseconds
+    (nested or concurrent work counted once), and the part of gradcomp's time during
+    which the rest was busy too.
+
+    On a GPU a kernel's launching thread is found through its launch's correlation
+    id; where no launch in the trace came from a worker thread, gradcomp's kernels
+    are found by their names (``GPU_NAMES``) instead. On a CPU (a dry run) the
+    operators are the device work and their thread is their stream."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES[device_type] and "dur" in e]
+    if device_type == "cuda":
+        launcher = {
+            e["args"]["correlation"]: e["tid"]
+            for e in events
+            if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+        }
+        found_by = "launching thread" if worker_threads & set(launcher.values()) else "kernel name"
+
+        def stream(e):
+            return e["args"].get("stream")
+
+        def ours(e):
+            if found_by == "kernel name":
+                return by_name(e)
+            return launcher.get(e["args"].get("correlation")) in worker_threads
+    else:
+        found_by = "thread"
+
+        def stream(e):
+            return e["tid"]
+
+        def ours(e):
+            return e["tid"] in worker_threads
+
+    mine = [e for e in device if ours(e)]
+    rest = [e for e in device if not ours(e)]
+    mine_busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in mine])
+    rest_busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in rest])
+    overlapped = _intersection(mine_busy, rest_busy)
+    gradcomp_streams = sorted({stream(e) for e in mine}, key=str)
+    backward_streams = sorted({stream(e) for e in rest}, key=str)
+    return {
+        "gradcomp found by": found_by,
+        "gradcomp events": len(mine),
+        "gradcomp kernels by name": sum(map(by_name, mine)),
+        "gradcomp streams": gradcomp_streams,
+        "backward events": len(rest),
+        "backward streams": backward_streams,
+        "shared streams": sorted(set(gradcomp_streams) & set(backward_streams), key=str),
+        "gradcomp busy us": _length(mine_busy),
+        "backward busy us": _length(rest_busy),
+        "overlapped us": overlapped,
+        "overlapped fraction": overlapped / _length(mine_busy) if mine_busy else None,
+    }
+
+
+def backward_ms(model, inputs, device: torch.device, repeats: int = 3) -> float:
+    """Median milliseconds of a backward pass of ``model(inputs)`` (its forward outside)."""
+    times = []
+    for _ in range(repeats):
+        loss = model(inputs).square().mean()
+        gpu_setup.synchronize(device)
+        began = time.perf_counter()
+        loss.backward()
+        gpu_setup.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - began))
+    return sorted(times)[len(times) // 2]
+
+
+def sized_batch(model, width: int, batch: int, device: torch.device, minimum_ms: float):
+    """Inputs of ``batch`` rows, doubled until a backward pass takes ``minimum_ms``; (inputs, ms)."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    for doubling in range(MAX_DOUBLINGS + 1):
+        inputs = torch.randn(batch << doubling, width, device=device, generator=generator)
+        took = backward_ms(model, inputs, device)
+        if took >= minimum_ms:
+            break
+    return inputs, took
+
+
+def overlap(device: torch.device, shape: dict, minimum_ms: float, trace_path: str | None, entry: dict):
+    """One profiled backward pass of the hooked model (bucket rebuild and agreement before)."""
+    from torch.profiler import profile
+
+    model = torch.nn.parallel.DistributedDataParallel(
+        linear_stack(shape["width"], shape["layers"]).to(device), bucket_cap_mb=OVERLAP_BUCKET_MB
+    )
+    inputs, without_hook = sized_batch(model, shape["width"], shape["batch"], device, minimum_ms)
+    gradcomp.ddp.register(model, "int8", min_numel=0)
+    with_hook = backward_ms(model, inputs, device)  # and the agreement check, the bucket rebuild
+    workers = {t.native_id for t in threading.enumerate() if t.name == "gradcomp-collectives"}
+    loss = model(inputs).square().mean()
+    gpu_setup.synchronize(device)
+    with profile(activities=gpu_setup.profiler_activities(device)) as trace:
+        loss.backward()
+        gpu_setup.synchronize(device)
+    found = overlap_from_trace(gpu_setup.trace_events(trace, trace_path), workers, device.type)
+    entry.update(
+        batch=inputs.shape[0],
+        bucket_sizes=model._get_ddp_logging_data().get("bucket_sizes"),
+        backward_ms_without_hook=without_hook,
+        backward_long_enough=without_hook >= minimum_ms,
+        backward_ms_with_hook=with_hook,
+        **found,
+    )
+    if device.type == "cuda":  # streams exist only there
+        entry["ok"] = found["gradcomp events"] > 0 and not found["shared streams"]
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def mlp(width: int) -> torch.nn.Module:
+    """256 inputs, 7 hidden layers of ``width``, 10 outputs; seeded without touching the global RNG."""
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(256, width), torch.nn.ReLU()]
     for _ in range(6):
-        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10))
-    torch.random.set_rng_state(generator_state)
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
     return model
 
 
-def hooked_model(compressor: str) -> torch.nn.Module:
-    import gradcomp
-
-    model = torch.nn.parallel.DistributedDataParallel(make_model().cuda(), bucket_cap_mb=BUCKET_MB)
-    gradcomp.ddp.register(model, compressor, min_numel=0)
-    return model
-
-
-def train(rank: int, world_size: int, compressor: str, backend: str | None, steps: int = STEPS):
-    """Parameters after ``steps`` of SGD with the hook on ``backend`` (None: the default);
+def train(rank: int, compressor: str, backend: str | None, device: torch.device, width: int):
+    """Parameters after ``STEPS`` of SGD with the hook on ``backend`` (None: the default);
     compressor ``adam:NAME``: CompressedAdam exchanging momentum through NAME, no hook."""
-    import gradcomp
-
     if backend is None:
         os.environ.pop("GRADCOMP_BACKEND", None)
     else:
         os.environ["GRADCOMP_BACKEND"] = backend
-    device = torch.device("cuda", 0)
-    if compressor.startswith("adam:"):
-        model = make_model().cuda()
-        optimizer = gradcomp.optim.CompressedAdam(
-            model.parameters(), lr=1e-3, compressor=compressor[5:], warmup_steps=3
-        )
-    else:
-        model = hooked_model(compressor)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        inputs = torch.randn(64, 256, generator=generator).to(device)
-        labels = torch.randint(0, 10, (64,), generator=generator).to(device)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-    torch.cuda.synchronize()
-    gradcomp.collectives.release_queues()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-
-
-def compare(rank: int, world_size: int, report: dict) -> bool:
-    """The hook on the GPU backends against the torch backend; True if all agree."""
-    ok = True
-    for compressor, tolerance in (("int8", 0.0), ("topk", 0.0), ("sign", 1e-5), ("adam:int8", 0.0)):
-        try:
-            gpu = train(rank, world_size, compressor, None)
-            reference = train(rank, world_size, compressor, "torch")
-            difference = (gpu - reference).abs().max().item()
-            same = difference <= tolerance * max(1.0, reference.abs().max().item())
-            report[f"{compressor} vs torch backend, max |difference|"] = difference
-            ok &= same
-            print(
-                f"  {compressor}: {'same' if same else 'DIFFERENT'} (max |difference| {difference:.3g})",
-                flush=True,
-            )
-        except Exception:  # noqa: BLE001 - reported, the run goes on
-            report[f"{compressor} error"] = traceback.format_exc(limit=3)
-            print(f"  {compressor}: ERROR\n{traceback.format_exc(limit=3)}", flush=True)
-            ok = False
-    return ok
-
-
-def profile_overlap(rank: int, world_size: int, out: str, report: dict) -> None:
-    """One profiled step: gradcomp's kernels' streams and their overlap with backward kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    import gradcomp
-
-    os.environ.pop("GRADCOMP_BACKEND", None)
-    model = hooked_model("int8")
-    device = torch.device("cuda", 0)
-    inputs, labels = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
-    for _ in range(2):  # agreement checks, bucket rebuild
-        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-    torch.cuda.synchronize()
-    backward_stream = torch.cuda.current_stream().cuda_stream
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
-        start = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-        torch.cuda.synchronize()
-        report["profiled step ms"] = 1e3 * (time.perf_counter() - start)
-    gradcomp.collectives.release_queues()
-    if rank != 0:
-        return
-    path = os.path.join(out, "gpu_ddp-trace.json")
-    trace.export_chrome_trace(path)
-    with open(path) as handle:
-        events = json.load(handle)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    ours = [e for e in kernels if any(name in e["name"] for name in GPU_NAMES)]
-    theirs = [e for e in kernels if e not in ours]
-    streams = sorted({e["args"].get("stream") for e in ours})
-    report["gradcomp kernels"] = len(ours)
-    report["gradcomp kernel streams"] = streams
-    report["backward kernel streams"] = sorted({e["args"].get("stream") for e in theirs})
-    report["backward stream handle"] = backward_stream
-    overlap = 0.0
-    for a in ours:
-        for b in theirs:
-            overlap += max(0.0, min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"]))
-    busy = sum(e["dur"] for e in ours)
-    report["gradcomp kernel us"] = busy
-    report["overlapped with other kernels us"] = overlap
-    print(
-        f"  {len(ours)} gradcomp kernels on streams {streams} (other kernels on "
-        f"{report['backward kernel streams']}); {busy:.0f} us of them, {overlap:.0f} us overlapped "
-        "other kernels",
-        flush=True,
-    )
-
-
-def _rank(rank: int, world_size: int, port: int, out: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    report: dict = {}
     try:
-        ok = compare(rank, world_size, report)
-        profile_overlap(rank, world_size, out, report)
-        report["ok"] = ok
-    except Exception:  # noqa: BLE001 - reported to the parent
-        report["error"] = traceback.format_exc(limit=4)
-        report["ok"] = False
+        if compressor.startswith("adam:"):
+            model = mlp(width).to(device)
+            optimizer = gradcomp.optim.CompressedAdam(
+                model.parameters(), lr=1e-3, compressor=compressor[5:], warmup_steps=3
+            )
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(
+                mlp(width).to(device), bucket_cap_mb=COMPARE_BUCKET_MB
+            )
+            gradcomp.ddp.register(model, compressor, min_numel=0)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS):
+            inputs = torch.randn(64, 256, generator=generator).to(device)
+            labels = torch.randint(0, 10, (64,), generator=generator).to(device)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+        gpu_setup.synchronize(device)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     finally:
-        dist.destroy_process_group()
-    results[rank] = report
+        os.environ.pop("GRADCOMP_BACKEND", None)
+        gradcomp.collectives.release_queues()
 
 
-def main() -> int:
+COMPARED = (("int8", 0.0), ("topk", 0.0), ("sign", 1e-5), ("adam:int8", 0.0))
+
+
+def compare(rank: int, device: torch.device, width: int) -> dict:
+    """The hook on the default backends against the torch backend: compressor -> result."""
+    results = {}
+    for compressor, tolerance in COMPARED:
+        default = train(rank, compressor, None, device, width)
+        reference = train(rank, compressor, "torch", device, width)
+        difference = (default - reference).abs().max().item()
+        same = difference <= tolerance * max(1.0, reference.abs().max().item())
+        results[compressor] = {"max |difference|": difference, "same": same}
+    return results
+
+
+def _compare_on_rank(rank: int, world_size: int, device_type: str, width: int) -> dict:
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return compare(rank, device, width)
+
+
+def record_comparison(results: dict, entry: dict) -> None:
+    entry.update(results)
+    entry["ok"] = all(result["same"] for result in results.values())
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    arguments = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_ddp: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    os.makedirs(arguments.out, exist_ok=True)
-    name = torch.cuda.get_device_name(0)
-    record: dict = {"gpu": name, "torch": torch.__version__}
-    print(f"gpu_ddp on {name}", flush=True)
-
-    print("one rank, NCCL:", flush=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    single: dict = {}
-    ok = compare(0, 1, single)
-    dist.destroy_process_group()
-    record["one rank NCCL"] = single
-
-    print("two ranks, Gloo on CUDA tensors:", flush=True)
-    from gradcomp.demo import free_port
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        context = mp.start_processes(
-            _rank, args=(2, free_port(), arguments.out, results), nprocs=2, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + 240
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                results[0] = {"error": "timed out after 240 s", "ok": False}
-                break
-        record["two ranks Gloo"] = dict(results)
-    for rank, report in sorted(record["two ranks Gloo"].items()):
-        if "error" in report:
-            print(f"  rank {rank}: {report['error']}", flush=True)
-        ok &= bool(report.get("ok"))
-    path = os.path.join(arguments.out, f"gpu_ddp-{name.replace(' ', '_')}.json")
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1, default=str)
-    print(f"gpu_ddp: {'all agree' if ok else 'DIFFERENCES'}; {path}", flush=True)
-    return 0 if ok else 1
+    gpu_setup.add_options(parser)
+    parser.add_argument("--section", choices=("overlap", "compare"), required=True)
+    parser.add_argument("--trace", help="keep the overlap profile's Chrome trace here")
+    args = parser.parse_args(argv)
+    device = gpu_setup.device_for(args.dry_run)
+    shape = DRY_RUN_MODEL if args.dry_run else GPU_MODEL
+    minimum_ms = 0.0 if args.dry_run else MIN_BACKWARD_MS
+    if args.section == "overlap":
+        settings = {**shape, "bucket_cap_mb": OVERLAP_BUCKET_MB, "min_backward_ms": minimum_ms}
+        report = gpu_setup.Report(args.out, "ddp overlap", device, settings)
+        with gpu_setup.one_rank_group(device), report.check("overlap with the backward pass") as entry:
+            overlap(device, shape, minimum_ms, args.trace, entry)
+        return report.finish()
+    width = DRY_RUN_MLP_WIDTH if args.dry_run else GPU_MLP_WIDTH
+    settings = {
+        "steps": STEPS,
+        "width": width,
+        "bucket_cap_mb": COMPARE_BUCKET_MB,
+        "compared": dict(COMPARED),
+    }
+    report = gpu_setup.Report(args.out, "ddp compare", device, settings)
+    with report.check(f"one rank, {'NCCL' if device.type == 'cuda' else 'Gloo'}") as entry:
+        with gpu_setup.one_rank_group(device):
+            record_comparison(compare(0, device, width), entry)
+    with report.check(f"two ranks, Gloo on {device.type.upper()} tensors") as entry:
+        ranks = run_ranks(_compare_on_rank, 2, device.type, width, timeout=240, group_timeout=120)
+        record_comparison(ranks, entry)
+    return report.finish()
 
 
 if __name__ == "__main__":
