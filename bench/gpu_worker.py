@@ -1,0 +1,203 @@
+"""One rank over NCCL through gradcomp's collective worker: is what callers read ordered?
+
+Run by ``bench/gpu_check.sh`` on one GPU (``--dry-run``: CPU tensors, Gloo):
+
+* **a collective from the worker**: at world size 1 none of gradcomp's
+  algorithms issues one (a one-rank all-reduce compresses and decodes
+  locally, and the agreement checks are skipped), so the check submits an
+  all-gather to the group's queue (``queue_for(None).submit``) itself. It
+  must run on the worker's thread, on a stream other than the caller's,
+  and the gathered copy, read on the caller's stream after ``wait()``,
+  must equal the input. The NCCL events of a profile of it are listed.
+* **ordering**: a 256M-element fp32 tensor reduced with int8 through
+  ``gradcomp.all_reduce`` (sync; ``async_op=True`` then ``Work.wait()``;
+  ``Work.get_future().wait()``), its sum read on the caller's stream at once
+  and again after ``torch.cuda.synchronize()``. They agree bit for bit only
+  if the result is ordered on the caller's stream: a sum read while the
+  worker's stream still decodes sees the tensor half written.
+* **CompressedAdam**: a warm-up step and a compressed (int8) one on 64M
+  parameters; their sum read at once and after a synchronize, and the
+  parameters against the same steps where every wait on an all-reduce also
+  synchronizes the device (an update that read its all-reduce's result
+  before the worker wrote it differs).
+
+Writes the checks under "worker" in ``<out>/gpu_check.json``; exits 1 if one
+fails.
+
+    python bench/gpu_worker.py --out bench/results
+    python bench/gpu_worker.py --dry-run --out /tmp/gc
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from unittest import mock
+
+import gpu_setup
+import torch
+
+import gradcomp
+from gradcomp.collectives.worker import all_gather_async
+
+# Elements of the ordering check's tensor: 1 GiB of fp32, the worker's decode long
+# enough for a read on another stream to catch it half done.
+ORDERING_NUMEL = 256 * 2**20
+ADAM_NUMEL = 64 * 2**20
+COLLECTIVE_NUMEL = 2**20
+DRY_RUN_NUMEL = 2**16
+
+# How a caller waits for gradcomp.all_reduce(tensor, "int8").
+WAYS = {
+    "sync": lambda tensor: gradcomp.all_reduce(tensor, "int8"),
+    "async_op=True, work.wait()": lambda tensor: gradcomp.all_reduce(tensor, "int8", async_op=True).wait(),
+    "async_op=True, work.get_future().wait()": (
+        lambda tensor: gradcomp.all_reduce(tensor, "int8", async_op=True).get_future().wait()
+    ),
+}
+
+
+def random(numel: int, device: torch.device, seed: int) -> torch.Tensor:
+    return torch.randn(numel, device=device, generator=torch.Generator(device=device).manual_seed(seed))
+
+
+def sums_at_once_and_after(tensors: list[torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """The tensors' sum (fp64) read on the caller's stream with nothing waited for,
+    then again after a device-wide synchronize."""
+    at_once = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors]).sum()
+    gpu_setup.synchronize(device)
+    after = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors]).sum()
+    return at_once.item(), after.item()
+
+
+def worker_collective(device: torch.device, numel: int, entry: dict) -> None:
+    """An all-gather issued from the worker's thread, on its stream, read by the caller."""
+    from torch.profiler import profile
+
+    q = gradcomp.collectives.queue_for(None)
+    tensor = random(numel, device, seed=1)
+    gathered = torch.empty(q.world_size * numel, device=device)
+    seen = {}
+
+    def gather() -> torch.Tensor:
+        seen.update(thread=threading.current_thread().name, stream=gpu_setup.stream_handle(device))
+        all_gather_async(gathered, tensor, q.group).wait()
+        return gathered  # the future then orders the caller's stream after the gather
+
+    with profile(activities=gpu_setup.profiler_activities(device)) as trace:
+        q.submit(gather, device, writes=gathered, name="gpu_check.gather").wait()
+        same = torch.equal(gathered[:numel], tensor)  # on the caller's stream, no synchronize before
+    caller = gpu_setup.stream_handle(device)
+    nccl = sorted(
+        {
+            (e.get("cat"), e.get("name", ""))
+            for e in gpu_setup.trace_events(trace)
+            if "nccl" in e.get("name", "").lower()
+        }
+    )
+    entry.update(
+        backend=str(torch.distributed.get_backend(q.group)),
+        worker_thread=seen["thread"],
+        worker_stream=seen["stream"],
+        caller_stream=caller,
+        gathered_equals_input=same,
+        nccl_events=[f"{category}: {name}" for category, name in nccl][:12],
+    )
+    other_stream = device.type != "cuda" or seen["stream"] != caller
+    entry["ok"] = same and seen["thread"] == "gradcomp-collectives" and other_stream
+
+
+def ordering(device: torch.device, numel: int, wait, entry: dict) -> None:
+    """An int8 all-reduce waited for by ``wait``; its sum at once and after a synchronize."""
+    tensor = random(numel, device, seed=2)
+    before = tensor.sum(dtype=torch.float64).item()
+    wait(tensor)
+    at_once, after = sums_at_once_and_after([tensor], device)
+    entry.update(sum_before=before, sum_at_once=at_once, sum_after_synchronize=after)
+    entry.update(reduction_changed_the_tensor=after != before, ok=at_once == after)
+
+
+class _SynchronizedFuture:
+    """A future whose ``wait()`` also waits for the whole device."""
+
+    def __init__(self, future, device: torch.device):
+        self._future, self._device = future, device
+
+    def wait(self):
+        value = self._future.wait()
+        gpu_setup.synchronize(self._device)
+        return value
+
+
+class _SynchronizedWork:
+    """A :class:`gradcomp.collectives.Work` whose waits also wait for the whole device."""
+
+    def __init__(self, work, device: torch.device):
+        self._work, self._device = work, device
+
+    def wait(self) -> bool:
+        self._work.wait()
+        gpu_setup.synchronize(self._device)
+        return True
+
+    def get_future(self) -> _SynchronizedFuture:
+        return _SynchronizedFuture(self._work.get_future(), self._device)
+
+
+def adam_steps(device: torch.device, numel: int, synchronized: bool) -> tuple[list, torch.Tensor]:
+    """A warm-up and a compressed step of CompressedAdam (int8) on four parameters;
+    the (at once, after synchronize) sums after each step and the final parameters.
+    ``synchronized``: every wait on an all-reduce also synchronizes the device."""
+    params = [torch.nn.Parameter(random(numel // 4, device, seed=10 + i)) for i in range(4)]
+    optimizer = gradcomp.optim.CompressedAdam(params, lr=1e-2, compressor="int8", warmup_steps=1)
+    original = gradcomp.optim.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        work = original(*args, **kwargs)
+        return _SynchronizedWork(work, device) if kwargs.get("async_op") else work
+
+    sums = []
+    with mock.patch.object(gradcomp.optim, "all_reduce", all_reduce if synchronized else original):
+        for step in range(2):
+            for i, p in enumerate(params):
+                p.grad = random(p.numel(), device, seed=100 * step + i)
+            optimizer.step()
+            sums.append(sums_at_once_and_after(params, device))
+    return sums, torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def compressed_adam(device: torch.device, numel: int, entry: dict) -> None:
+    sums, shipped = adam_steps(device, numel, synchronized=False)
+    _, reference = adam_steps(device, numel, synchronized=True)
+    entry.update(
+        sums_at_once_and_after=sums,
+        same_as_synchronized_steps=torch.equal(shipped, reference),
+        max_difference=(shipped - reference).abs().max().item(),
+    )
+    entry["ok"] = all(at_once == after for at_once, after in sums) and entry["same_as_synchronized_steps"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    gpu_setup.add_options(parser)
+    args = parser.parse_args(argv)
+    device = gpu_setup.device_for(args.dry_run)
+    if args.dry_run:
+        sizes = dict(ordering=DRY_RUN_NUMEL, adam=DRY_RUN_NUMEL, collective=DRY_RUN_NUMEL)
+    else:
+        sizes = dict(ordering=ORDERING_NUMEL, adam=ADAM_NUMEL, collective=COLLECTIVE_NUMEL)
+    report = gpu_setup.Report(args.out, "worker", device, sizes)
+    with gpu_setup.one_rank_group(device):
+        with report.check("collective on the worker") as entry:
+            worker_collective(device, sizes["collective"], entry)
+        for way, wait in WAYS.items():
+            with report.check(f"ordering: {way}") as entry:
+                ordering(device, sizes["ordering"], wait, entry)
+        with report.check("CompressedAdam") as entry:
+            compressed_adam(device, sizes["adam"], entry)
+    return report.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
