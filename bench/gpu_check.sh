@@ -1,69 +1,219 @@
 #!/usr/bin/env bash
-# GPU check, one script for one GPU (every step has a timeout; 8.5 minutes at most):
-#   1. parity of every GPU implementation against the torch reference:
-#      tests/test_parity.py for the triton backend (real Triton kernels, no
-#      interpreter) and the cuda backend (the CUDA kernels of csrc/, compiled
-#      with NVRTC), then the backend-specific tests/test_triton.py and
-#      tests/test_cuda.py, and auto's CUDA-event timing (tests/test_streams.py -m gpu);
-#   2. the DDP hook end to end (bench/gpu_ddp.py): one rank over NCCL and two
-#      ranks over Gloo on CUDA tensors, against the torch backend, and one step
-#      profiled: which streams gradcomp's kernels ran on, how much they
-#      overlapped the backward pass's kernels;
-#   3. throughput of every op per backend against a device-to-device copy,
-#      and CUDA Top-K against torch.topk (bench/kernels.py, 1M..64M elements).
-# Usage: bash bench/gpu_check.sh [OUTPUT_DIR]   (default bench/results)
-# Needs torch with CUDA, triton, cupy and pytest; installs nothing.
+# The GPU check: the most one run on one GPU can tell, within 6 minutes.
+#
+# A GPU machine is lent rarely and briefly, and only the files of one output
+# folder come back (at most 8). So the sections run in the order of their
+# value, each under its own time limit inside the run's budget, and each
+# writes its results as soon as it ends: a run killed at its limit still
+# returns what finished. Every Python section runs on CPU first, in the same
+# code (--dry-run, in the test suite: tests/test_gpu_check.py), so that on
+# the GPU nothing but the device itself can fail.
+#
+#   versions   torch, CUDA, NCCL, Triton, CuPy, the driver, the GPU
+#   kernels    every op per backend at 64M and 256M elements (past the 60 MB
+#              L2) against a device-to-device copy; Top-K at 1% against
+#              torch.topk (bench/kernels.py)
+#   worker     one rank over NCCL: a collective issued from gradcomp's worker
+#              thread on its stream; all_reduce results (sync, Work.wait(),
+#              get_future().wait()) and CompressedAdam's read on the caller's
+#              stream at once and after a synchronize (bench/gpu_worker.py)
+#   overlap    the DDP hook's work against a backward pass of 10 ms or more,
+#              25 MB buckets, from a profile: its streams and the fraction of
+#              its time overlapping backward kernels (bench/gpu_ddp.py)
+#   compare    the hook and CompressedAdam on the GPU backends against the
+#              torch backend: one rank over NCCL, two over Gloo on CUDA tensors
+#   parity     the GPU tests: every GPU op against the torch reference, the
+#              backends' own tests, auto's CUDA-event timing (pytest -n 8)
+#   memcheck   if time is left and compute-sanitizer runs: every op of the cuda
+#              and triton backends at 1, 1023 and 4097 elements under memcheck
+#              (bench/gpu_memcheck.py)
+#
+# What comes back (OUTPUT_DIR): gpu_check.txt (versions and one line per
+# section), gpu_check.log (every section's output), gpu_check.json (worker,
+# overlap, compare), kernels-*.{csv,json}, parity.xml (JUnit), and
+# gpu_check-files.tar.gz (the overlap profile's Chrome trace).
+#
+# Usage: bash bench/gpu_check.sh [OUTPUT_DIR]            on the GPU machine ($OUT there)
+#        bash bench/gpu_check.sh --dry-run [OUTPUT_DIR]  on a CPU machine: CPU tensors, Gloo,
+#                                                        tiny sizes, under 3 minutes
+# Needs torch with CUDA, triton, cupy, pytest with xdist and timeout; installs nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
-out="${1:-bench/results}"
+
+dry_run=0
+if [ "${1:-}" = "--dry-run" ]; then
+  dry_run=1
+  shift
+fi
+if [ "$dry_run" -eq 1 ]; then
+  out="${1:-${TMPDIR:-/tmp}/gpu_check-dry-run}"
+  budget=170 # seconds for the whole run, packing included
+  # The sections pick the CPU themselves; kernels.py and pytest by what they see.
+  export CUDA_VISIBLE_DEVICES=""
+  dry=(--dry-run)
+else
+  out="${1:-${OUT:-bench/results/gpu_check}}"
+  budget=345
+  dry=()
+fi
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-export PYTHONUNBUFFERED=1
+summary="$out/gpu_check.txt"
+log="$out/gpu_check.log"
+: >"$summary"
+: >"$log"
+export PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
+deadline=$((SECONDS + budget - 10)) # 10 s kept for the last packing
+status=0
 
 # gradcomp.kernels is kernels/ installed inside the package: lay that out in a
 # scratch folder instead of installing. csrc/ goes beside the package, where the
 # cuda backend finds the sources to compile when there is no fatbin (none is
 # copied: the check runs what NVRTC makes of the sources as they are). tests/
-# and pyproject.toml go too, and pytest runs there: under `python -m`, the
-# current folder comes first on sys.path, and the repository's own gradcomp/
-# (without kernels/) would shadow the layout.
+# and pyproject.toml go too, and every section runs there: under `python -m`,
+# the current folder comes first on sys.path, and the repository's own
+# gradcomp/ (without kernels/) would shadow the layout. The bench scripts run
+# from the repository by path (their folder first on sys.path, then the layout).
 tree="$(mktemp -d)"
+extras="$(mktemp -d)" # files beyond the 8 that come back: packed into one archive
+trap 'rm -rf "$tree" "$extras"' EXIT
 cp -r gradcomp "$tree/gradcomp"
 cp -r kernels "$tree/gradcomp/kernels"
 rm -f "$tree"/gradcomp/*.fatbin
 cp -r csrc tests pyproject.toml "$tree/"
 export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
-
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name(0))"
-  python3 -c "import cupy; print('cupy', cupy.__version__)" || echo "cupy does not import: tests/test_cuda.py skips"
-} 2>&1 | tee "$out/gpu_check-device.txt"
-
 cd "$tree"
-# The slow-marked tests run CPU ranks through Triton's interpreter or compile
-# with nvcc: not a GPU check.
-timeout 110 python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "triton or cuda" tests/test_parity.py 2>&1 \
-  | tee "$out/gpu_check-parity.txt"
-parity=${PIPESTATUS[0]}
-timeout 80 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py tests/test_cuda.py 2>&1 \
-  | tee "$out/gpu_check-backends.txt"
-backends=${PIPESTATUS[0]}
-# auto on a GPU: buckets timed by CUDA events (one rank, Gloo on CUDA tensors), ready
-# offsets from real events, two ranks on the one GPU agreeing on the plan.
-timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_streams.py 2>&1 \
-  | tee -a "$out/gpu_check-backends.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || backends=1
-timeout 150 python3 "$repo/bench/gpu_ddp.py" --out "$out" 2>&1 | tee "$out/gpu_check-ddp.txt"
-ddp=${PIPESTATUS[0]}
-cd "$repo"
 
-timeout 110 python3 bench/kernels.py --sizes 1M,16M,64M 2>&1 | tee "$out/gpu_check-kernels.txt"
-bench=${PIPESTATUS[0]}
-if [ "$out" != "$repo/bench/results" ]; then
-  cp bench/results/kernels-*.csv bench/results/kernels-*.json "$out/" 2>/dev/null
+pack() {
+  if [ -n "$(ls -A "$extras")" ]; then
+    tar -czf "$out/gpu_check-files.tar.gz.partial" -C "$extras" . &&
+      mv "$out/gpu_check-files.tar.gz.partial" "$out/gpu_check-files.tar.gz"
+  fi
+}
+
+# section NAME CAP REQUIRED COMMAND...: run COMMAND for at most CAP seconds (less
+# where the run's budget ends sooner), its output to the log; one line to the
+# summary. A REQUIRED (1) section that fails, times out or finds no time fails
+# the run; an optional one (0) is reported only.
+section() {
+  local name=$1 cap=$2 required=$3
+  shift 3
+  local left=$((deadline - SECONDS))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 15 ]; then
+    echo "$name: SKIPPED, ${left} s left of the run's ${budget} s" | tee -a "$summary" "$log"
+    [ "$required" -eq 0 ] || status=1
+    return
+  fi
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$log"
+  local began=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  local code=${PIPESTATUS[0]} verdict
+  case $code in
+    0) verdict=ok ;;
+    124 | 137) verdict="TIMED OUT at ${limit} s" ;;
+    *) verdict="FAILED (exit $code)" ;;
+  esac
+  echo "$name: $verdict, $((SECONDS - began)) s" | tee -a "$summary" "$log"
+  if [ "$code" -ne 0 ] && [ "$required" -eq 1 ]; then
+    status=1
+  fi
+  pack
+  return "$code"
+}
+
+echo "gradcomp revision: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here)")" |
+  tee -a "$summary" "$log"
+sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+section versions 30 1 python3 - "$summary" "$dry_run" "${sanitizer:-compute-sanitizer}" <<'EOF'
+"""Versions of everything the check runs on, into the summary and the log."""
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+lines = [f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, dry run: {sys.argv[2] == '1'}"]
+
+
+def version(what, read):
+    try:
+        lines.append(f"{what}: {read()}")
+    except Exception as error:  # noqa: BLE001 - absent or broken: said, not fatal
+        lines.append(f"{what}: unavailable ({type(error).__name__}: {error})")
+
+
+def gpu():
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible to torch"
+
+
+def last_line(*command):
+    return subprocess.run(command, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[-1]
+
+
+version("torch", lambda: __import__("torch").__version__)
+version("CUDA (torch built with)", lambda: __import__("torch").version.cuda)
+version("NCCL", lambda: __import__("torch").cuda.nccl.version())
+version("GPU", gpu)
+version("Triton", lambda: __import__("triton").__version__)
+version("CuPy", lambda: __import__("cupy").__version__)
+version("gradcomp", lambda: __import__("gradcomp").__version__)
+version(
+    "driver (nvidia-smi)",
+    lambda: last_line("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
+)
+version("compute-sanitizer", lambda: f"{last_line(sys.argv[3], '--version')} ({sys.argv[3]})")
+for package in ("pytest", "pytest-xdist", "pytest-timeout"):
+    version(package, lambda: metadata.version(package))
+print("\n".join(lines))
+with open(sys.argv[1], "a") as summary:
+    summary.write("\n".join(lines) + "\n")
+EOF
+
+if [ "$dry_run" -eq 1 ]; then
+  kernels=(--sizes 4K,16K --topk-sizes 16K --topk-ratios 0.01 --iters 2 --warmup 1)
+else
+  kernels=(--sizes 64M,256M --topk-sizes 64M,256M --topk-ratios 0.01)
 fi
-rm -rf "$tree"
-echo "gpu_check: parity exit $parity, backend tests exit $backends, ddp exit $ddp, kernels bench exit $bench"
-[ "$parity" -eq 0 ] && [ "$backends" -eq 0 ] && [ "$ddp" -eq 0 ] && [ "$bench" -eq 0 ]
+section kernels 75 1 python3 "$repo/bench/kernels.py" "${kernels[@]}" --out "$out" --no-progress
+section worker 45 1 python3 "$repo/bench/gpu_worker.py" ${dry[@]+"${dry[@]}"} --out "$out"
+section overlap 45 1 python3 "$repo/bench/gpu_ddp.py" --section overlap ${dry[@]+"${dry[@]}"} --out "$out" \
+  --trace "$extras/gpu_ddp-trace.json"
+section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]+"${dry[@]}"} --out "$out"
+
+# The GPU tests: the parity suite's triton and cuda cases, the backends' own
+# tests, and the gpu-marked ones (auto's CUDA events). Slow-marked tests run CPU
+# ranks through Triton's interpreter or compile with nvcc: not a GPU check. The
+# dry run collects the same selection from the layout (the suite runs the tests
+# on CPU itself, most of them skipped for want of a GPU).
+parity=(-n 8)
+[ "$dry_run" -eq 0 ] || parity=(-n 2 --collect-only -q)
+section parity 120 1 python3 -m pytest "${parity[@]}" --timeout 60 -rfE --tb=short -p no:cacheprovider \
+  --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu" \
+  tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py
+
+# If time is left: memcheck over every op of the GPU backends. PyTorch's caching
+# allocator is off, so every tensor is an allocation of its own and a read past
+# a tensor's end is one past an allocation's. Errors found fail the run (exit 3);
+# a sanitizer that cannot run here (some virtual machines refuse it) is reported.
+if [ "$dry_run" -eq 1 ]; then
+  # The driver's logic on CPU tensors, Triton's backend through its interpreter.
+  TRITON_INTERPRET=1 section "memcheck driver (no sanitizer on CPU)" 40 1 \
+    python3 "$repo/bench/gpu_memcheck.py" --dry-run --backend cpu --backend triton
+elif [ -z "$sanitizer" ]; then
+  echo "memcheck: skipped, compute-sanitizer absent" | tee -a "$summary" "$log"
+else
+  for backend in cuda triton; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 section "memcheck $backend" 150 0 \
+      "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 50 \
+      python3 "$repo/bench/gpu_memcheck.py" --backend "$backend"
+    [ $? -ne 3 ] || status=1
+  done
+fi
+
+pack
+echo "gpu_check: $([ "$status" -eq 0 ] && echo "every section passed" || echo "a section FAILED"), $SECONDS s" |
+  tee -a "$summary"
+exit "$status"
