@@ -184,15 +184,17 @@ section overlap 45 1 python3 "$repo/bench/gpu_ddp.py" --section overlap ${dry[@]
 section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]+"${dry[@]}"} --out "$out"
 
 # The GPU tests: the parity suite's triton and cuda cases, the backends' own
-# tests, and the gpu-marked ones (auto's CUDA events). Slow-marked tests run CPU
+# tests, the gpu-marked ones (auto's CUDA events), and the check that the model of
+# torch's NCCL options the subgroup test uses has the real ones' attributes (it
+# needs a torch built with NCCL). Slow-marked tests run CPU
 # ranks through Triton's interpreter or compile with nvcc: not a GPU check. The
 # dry run collects the same selection from the layout (the suite runs the tests
 # on CPU itself, most of them skipped for want of a GPU).
 parity=(-n 8)
 [ "$dry_run" -eq 0 ] || parity=(-n 2 --collect-only -q)
 section parity 120 1 python3 -m pytest "${parity[@]}" --timeout 60 -rfE --tb=short -p no:cacheprovider \
-  --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu" \
-  tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py
+  --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \
+  tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py tests/test_subgroups.py
 
 # If time is left: memcheck over every op of the GPU backends. PyTorch's caching
 # allocator is off, so every tensor is an allocation of its own and a read past

@@ -66,8 +66,8 @@ _OPTIONAL = {
 _AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "cpu": ("cpu",), "torch": ("cpu", "cuda")}
 
 
-# (op, device, GRADCOMP_BACKEND as set, the registry's entries) -> the function
-# implementation() chose: an op runs per bucket, and choosing costs more than some
+# (op, device, the registry's entries) -> the function implementation() chose when
+# no backend is forced: an op runs per bucket, and choosing costs more than some
 # ops on small tensors.
 _CHOSEN: dict[tuple, tuple] = {}
 _OPTIONAL_TRIED: set[str] = set()
@@ -139,11 +139,14 @@ def check_forced_backend() -> None:
 def implementation(op: str, device: torch.device) -> Callable:
     """The function that runs ``op`` for tensors on ``device``."""
     # The registry's entries are in the key: a test may swap one in place.
-    key = (op, device, os.environ.get("GRADCOMP_BACKEND", ""), *map(id, _REGISTRY.values()))
+    setting = os.environ.get("GRADCOMP_BACKEND", "")
+    if setting:  # forced: checked at every call (whether it can run may depend on more settings)
+        return _choose(op, device, _forced(setting))
+    key = (op, device, *map(id, _REGISTRY.values()))
     chosen = _CHOSEN.get(key)
     if chosen is None:
         # The entries are kept with the choice: their ids cannot be reused meanwhile.
-        chosen = _CHOSEN[key] = (_choose(op, device, _forced(key[2])), tuple(_REGISTRY.values()))
+        chosen = _CHOSEN[key] = (_choose(op, device, None), tuple(_REGISTRY.values()))
     return chosen[0]
 
 
