@@ -37,7 +37,7 @@ def test_linear_fit_recovers_a_line_and_stays_finite():
     assert through.overhead == 0.0 and through.seconds(2000) == pytest.approx(0.0028)
     # Flat or falling times: all overhead, a finite rate (the profile stays plain JSON).
     flat = planner.Linear.fit([1000, 2000], [0.002, 0.001])
-    assert flat.overhead == 0.002 and flat.rate == planner._FASTEST
+    assert flat.overhead == 0.002 and flat.rate == planner.profiles._FASTEST
 
 
 def test_a_prediction_is_the_scale_models_exchange_plus_the_algorithms_codec_passes():
@@ -213,7 +213,7 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
     other, started = (threading.Thread(target=compute, daemon=True) for _ in range(2))
     other.start()
     try:
-        wall, cpu = planner._transport_cpu(lambda: time.sleep(0.2))  # waits: no CPU of its own
+        wall, cpu = planner.measure._transport_cpu(lambda: time.sleep(0.2))  # waits: no CPU of its own
         assert wall >= 0.2 and cpu < 0.05
 
         def spin():
@@ -221,14 +221,14 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
             while time.thread_time() - began < 0.1:
                 pass
 
-        wall, cpu = planner._transport_cpu(spin)  # this thread's own CPU time counts
+        wall, cpu = planner.measure._transport_cpu(spin)  # this thread's own CPU time counts
         assert 0.08 <= cpu <= wall
 
         def start_another():  # a Python thread started meanwhile: none of its CPU time counts
             started.start()
             time.sleep(0.2)
 
-        wall, cpu = planner._transport_cpu(start_another)
+        wall, cpu = planner.measure._transport_cpu(start_another)
         assert wall >= 0.2 and cpu < 0.05
     finally:
         stop.set()
@@ -239,8 +239,8 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
 
 def test_the_transports_cpu_time_is_fitted_per_byte_sent():
     rows = [dict(bytes_sent=n, cpu_seconds=1e-4 + 2e-9 * n) for n in (2**16, 2**20, 2**24)]
-    assert planner._cpu_per_byte(rows) == pytest.approx(2e-9)  # the slope: a call's 0.1 ms left out
-    assert planner._cpu_per_byte([dict(bytes_sent=n, seconds=1.0) for n in (1, 2)]) == 0  # not measured
+    assert planner.measure._cpu_per_byte(rows) == pytest.approx(2e-9)  # the slope: a call's 0.1 ms left out
+    assert planner.measure._cpu_per_byte([dict(bytes_sent=n, seconds=1.0) for n in (1, 2)]) == 0  # not measured
 
 
 def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
@@ -406,12 +406,12 @@ def test_a_pingpong_times_messages_between_two_ranks_and_every_rank_gets_the_fit
 
 def _probe_body(rank, world_size):
     # Each rank measures its own codecs; the profiles must come back identical.
-    timed, measure = [], planner.measure_codec
-    planner.measure_codec = lambda *args: timed.append(args[-1]) or measure(*args)
+    timed, measure = [], planner.measure.measure_codec
+    planner.measure.measure_codec = lambda *args: timed.append(args[-1]) or measure(*args)
     try:
         found, rows = planner.probe([256, 4096], ["none", "int8"], repeat=1)
     finally:
-        planner.measure_codec = measure
+        planner.measure.measure_codec = measure
     assert timed == [planner.CODEC_REPEATS]  # int8's, more often than the link's
     everyone = [None] * world_size
     dist.all_gather_object(everyone, found)
@@ -440,7 +440,7 @@ def test_every_rank_gets_the_same_profile_and_plan_from_a_probe():
     assert sum(r["cpu_seconds"] for r in rows) > 0
     fits = [("all_reduce", everyone[0].link), *everyone[0].links.items()]
     assert all(
-        f.cpu_seconds_per_byte == planner._cpu_per_byte([r for r in rows if r["collective"] == c])
+        f.cpu_seconds_per_byte == planner.measure._cpu_per_byte([r for r in rows if r["collective"] == c])
         for c, f in fits
     )
     # Bytes one rank sends: ring all-reduce 2 (W-1)/W n, all-gather and all-to-all (W-1) n/W.
@@ -1344,7 +1344,7 @@ def test_auto_notices_a_slower_link_and_re_plans_from_new_measurements():
 
 def _all_reduce_auto_body(rank, world_size):
     import gradcomp
-    from gradcomp.collectives import _SHARED_AUTO
+    from gradcomp.collectives import shared_chooser
 
     generator = torch.Generator().manual_seed(rank)
     big, small = torch.randn(2**18, generator=generator), torch.randn(1000, generator=generator)
@@ -1373,7 +1373,7 @@ def _all_reduce_auto_body(rank, world_size):
     # Measured: the shared planner of "auto" probes the group once, then plans each size
     # (an empty tensor first: sent dense, nothing measured for it).
     measured = [gradcomp.all_reduce(x.clone(), "auto") for x in (torch.empty(0), small, big, small)]
-    shared = next(iter(_SHARED_AUTO.values()))
+    shared = shared_chooser("auto")
     return dict(
         results=results,
         plans={key: (p.compressor, p.algorithm) for key, p in auto.plans[next(iter(auto.plans))].items()},
@@ -1430,11 +1430,11 @@ def _all_reduce_auto_disagreeing_body(rank, world_size):
     same = planner.Auto(allow=("int8",), profile=profile(GBIT))
     gradcomp.all_reduce(x.clone(), same)
     gradcomp.all_reduce(x.clone(), "auto")
-    from gradcomp.collectives import _SHARED_AUTO
+    from gradcomp.collectives import chooser
 
-    shared = _SHARED_AUTO["auto"]
+    shared = chooser.shared_chooser("auto")
     gradcomp.all_reduce(x.clone(), "auto")
-    return shared is _SHARED_AUTO["auto"] and len(_SHARED_AUTO) == 1
+    return shared is chooser.shared_chooser("auto") and list(chooser._SHARED) == ["auto"]
 
 
 def test_all_reduce_auto_ranks_with_other_settings_raise():
