@@ -3,17 +3,27 @@
 ``all_reduce(tensor, compressor)`` mirrors ``torch.distributed.all_reduce``:
 in place, ``op`` "avg" or "sum", ``async_op`` returning a handle.
 
-The package, one concern a module:
+The package, one concern a module, imports pointing down this list:
 
-* :mod:`~gradcomp.collectives.algorithms`: the algorithms (``dense``,
-  ``allgather``, ``two_phase`` in :mod:`~gradcomp.collectives.two_phase`,
-  ``hierarchical`` in :mod:`~gradcomp.collectives.hierarchical`) and the
-  :class:`Job` that describes one call;
-* :mod:`~gradcomp.collectives.worker`: the ordered worker thread that runs a
-  group's jobs, over a private clone of the group;
+* :mod:`~gradcomp.collectives.dispatch`: :func:`job_steps`, which runs a
+  :class:`Job` with the algorithm it names (the one module that imports them all);
+* the algorithms: :mod:`~gradcomp.collectives.hierarchical` (dense inside a
+  node, a flat one between nodes, run by the dispatcher it is handed),
+  :mod:`~gradcomp.collectives.low_rank`, :mod:`~gradcomp.collectives.dense`,
+  :mod:`~gradcomp.collectives.allgather`,
+  :mod:`~gradcomp.collectives.sparse_two_phase`,
+  :mod:`~gradcomp.collectives.two_phase`;
+* :mod:`~gradcomp.collectives.policy`: which algorithm a compressor takes;
+* :mod:`~gradcomp.collectives.scale`: bytes and predicted time of every
+  algorithm at any world size;
 * :mod:`~gradcomp.collectives.agreement`: ranks with different settings
   raise instead of hanging;
-* :mod:`~gradcomp.collectives.stats`: what a call cost (:class:`ReduceStats`).
+* :mod:`~gradcomp.collectives.worker`: the ordered worker thread that runs a
+  group's jobs, over a private clone of the group;
+* :mod:`~gradcomp.collectives.stats`: what a call cost (:class:`ReduceStats`);
+* :mod:`~gradcomp.collectives.job` (:class:`Job`, one call fully described)
+  and :mod:`~gradcomp.collectives.nodes` (:class:`Hierarchy`, a group cut into
+  nodes): the leaves.
 """
 
 from __future__ import annotations
@@ -27,19 +37,14 @@ import torch.distributed as dist
 
 from gradcomp import ops
 from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
-from gradcomp.collectives.algorithms import (
-    ALGORITHMS,
-    HIERARCHICAL,
-    Job,
-    allgather_segments,
-    check_algorithm,
-    default_algorithm,
-    job_steps,
-    owner_ranges,
-)
-from gradcomp.collectives.hierarchical import Hierarchy, check_node_size, hierarchy_for, nodes_for_auto
+from gradcomp.collectives.allgather import allgather_segments
+from gradcomp.collectives.dispatch import job_steps
+from gradcomp.collectives.hierarchical import check_node_size, hierarchy_for, nodes_for_auto
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.nodes import Hierarchy
+from gradcomp.collectives.policy import ALGORITHMS, HIERARCHICAL, check_algorithm, default_algorithm
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
-from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, two_phase_segments
+from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, owner_ranges, two_phase_segments
 from gradcomp.collectives.worker import (
     CollectiveQueue,
     clone_group,

@@ -39,66 +39,30 @@ import logging
 import os
 import secrets
 import socket
-import typing
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.nodes import Hierarchy, Level
+from gradcomp.collectives.policy import default_algorithm
 from gradcomp.collectives.stats import ReduceStats, Timer, exchange
-from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, new_group_like
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, drive, new_group_like
 from gradcomp.compressors import mix_seed
-
-if typing.TYPE_CHECKING:
-    from gradcomp.collectives.algorithms import Job
 
 logger = logging.getLogger(__name__)
 
+# Runs a flat job on one level of the hierarchy, as steps: the dispatcher's
+# job_steps, handed in by the dispatcher, which imports this module (so this
+# module never imports it back).
+FlatSteps = Callable[[Job, Level], Generator[None, None, ReduceStats]]
 # Mixed into a job's key for its shard's residual and random streams.
 _SHARD_KEY = 0x48494552
 # Where a node's ranks share memory for CPU tensors.
 SHARED_MEMORY_DIR = "/dev/shm"
 _OFFER_BYTES = 512  # the shared file's path and token, as local rank 0 broadcasts them
 _NO_LAYOUT = "no usable layout"  # a CollectiveQueue.hierarchies key: auto found none
-
-
-@dataclasses.dataclass
-class Level:
-    """One level of a hierarchy, shaped like a :class:`CollectiveQueue` for
-    the flat algorithms: its group, this rank's place in it, its checked settings."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-    verified: set = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass
-class Hierarchy:
-    """A group's nodes and this rank's two levels.
-
-    Attributes:
-        nodes: group ranks of each node (node order, rank order inside).
-        source: where the layout came from (``node_size=2``, ``LOCAL_WORLD_SIZE=2``, ``host names``).
-        intra: this rank's node (its local rank, the node size).
-        inter: the ranks with this local rank, one a node (node index, node count).
-        shared_memory: whether the node's stages of CPU tensors go through
-            shared memory: True where the node's ranks share a host name; it
-            turns False by itself where they cannot share memory. Set it on
-            every rank of the node alike, or not at all.
-    """
-
-    nodes: list[list[int]]
-    source: str
-    intra: Level
-    inter: Level
-    shared_memory: bool = True  # CPU tensors: the node's stages through shared memory, while it works
-    # (length, dtype) -> SharedArea; ("payloads", nbytes) -> the node's rows of gathered payloads
-    areas: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def node_size(self) -> int:
-        return len(self.nodes[0])
 
 
 def check_node_size(node_size, world_size: int | None = None) -> None:
@@ -211,8 +175,18 @@ def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
     )
 
 
-def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats) -> Generator:
-    """Reduce ``flat`` in place over ``hierarchy`` (see the module's description)."""
+def hierarchical(
+    job: Job,
+    flat: torch.Tensor,
+    hierarchy: Hierarchy,
+    stats: ReduceStats,
+    flat_steps: FlatSteps | None = None,
+) -> Generator:
+    """Reduce ``flat`` in place over ``hierarchy`` (see the module's description).
+
+    ``flat_steps`` runs the shard's all-reduce between nodes
+    (:func:`gradcomp.collectives.dispatch.job_steps`); a hierarchy without that
+    stage (one node, :func:`node_stages_only`) needs none."""
     intra = hierarchy.intra
     size, numel, itemsize = intra.world_size, flat.numel(), flat.element_size()
     shard_len = -(-numel // size)
@@ -223,7 +197,7 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
     area = _shared_area(hierarchy, shard_len * size, flat.dtype) if flat.device.type == "cpu" else None
     if size == 1:
         shard = flat if flat.dtype == wide else flat.to(wide)
-        _between_nodes(job, shard, hierarchy, stats)
+        _between_nodes(job, shard, hierarchy, stats, flat_steps)
         if shard is not flat:
             flat.copy_(shard)
     elif area is not None:
@@ -253,7 +227,8 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
             shard[own:].zero_()
             if job.op == "avg":
                 shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
-        gathered = _between_nodes(job, shard, hierarchy, stats, undecoded=_sparse_gather(job, hierarchy))
+        undecoded = _sparse_gather(job, hierarchy)
+        gathered = _between_nodes(job, shard, hierarchy, stats, flat_steps, undecoded)
         if gathered is not None and _decode_every_shard(job, flat, shard, gathered, hierarchy, stats):
             stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
             return
@@ -265,12 +240,18 @@ def hierarchical(job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: Redu
         flat[:before].copy_(rows[size, :before])
         flat[hi:].copy_(rows[size, hi:numel])
     else:
-        yield from _through_collectives(job, flat, hierarchy, stats, shard_len, wide)
+        yield from _through_collectives(job, flat, hierarchy, stats, flat_steps, shard_len, wide)
     stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
 
 
 def _through_collectives(
-    job: Job, flat: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats, shard_len: int, wide: torch.dtype
+    job: Job,
+    flat: torch.Tensor,
+    hierarchy: Hierarchy,
+    stats: ReduceStats,
+    flat_steps: FlatSteps | None,
+    shard_len: int,
+    wide: torch.dtype,
 ) -> Generator:
     """The node's stages as collectives: an all-to-all of shards, summed, and an all-gather."""
     intra, numel = hierarchy.intra, flat.numel()
@@ -287,7 +268,7 @@ def _through_collectives(
         if job.op == "avg":
             shard.div_(size)
     del received
-    _between_nodes(job, shard, hierarchy, stats)
+    _between_nodes(job, shard, hierarchy, stats, flat_steps)
     own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
     with exchange():
         gather = all_gather_async(padded, own, intra.group)
@@ -299,8 +280,6 @@ def _through_collectives(
 
 
 def _inner_algorithm(job: Job, hierarchy: Hierarchy) -> str:
-    from gradcomp.collectives.algorithms import default_algorithm
-
     return job.inter_algorithm or default_algorithm(job.compressor, hierarchy.inter.world_size)
 
 
@@ -318,18 +297,22 @@ def _sparse_gather(job: Job, hierarchy: Hierarchy) -> bool:
 
 
 def _between_nodes(
-    job: Job, shard: torch.Tensor, hierarchy: Hierarchy, stats: ReduceStats, undecoded: bool = False
+    job: Job,
+    shard: torch.Tensor,
+    hierarchy: Hierarchy,
+    stats: ReduceStats,
+    flat_steps: FlatSteps | None,
+    undecoded: bool = False,
 ) -> tuple[torch.Tensor, dict] | None:
     """The compressed all-reduce of this rank's shard among the ranks with its local rank.
 
     With ``undecoded`` (an all-gather between nodes), the shard keeps its input and the
     gathered payloads are returned undecoded, ``(rows, meta)``; else None."""
-    from gradcomp.collectives.algorithms import Job, job_steps
-    from gradcomp.collectives.worker import drive
-
     inter = hierarchy.inter
     if inter.world_size == 1:
         return None
+    if flat_steps is None:
+        raise ValueError("a hierarchy of several nodes needs flat_steps to reduce its shards between nodes")
     inner = Job(
         shard,
         job.compressor,
@@ -341,7 +324,7 @@ def _between_nodes(
         measure_error=job.measure_error,
         gathered=[] if undecoded else None,
     )
-    reduced = drive(job_steps(inner, inter))
+    reduced = drive(flat_steps(inner, inter))
     stats.bytes_sent_inter += reduced.bytes_sent
     stats.compress_seconds += reduced.compress_seconds
     stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq

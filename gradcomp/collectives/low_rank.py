@@ -12,12 +12,12 @@ step's iteration (warm start), kept with the residuals.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Generator
 
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import (
     COMPRESS,
     ReduceStats,
@@ -28,9 +28,6 @@ from gradcomp.collectives.stats import (
 )
 from gradcomp.collectives.worker import CollectiveQueue
 from gradcomp.compressors import low_rank as lr
-
-if typing.TYPE_CHECKING:
-    from gradcomp.collectives.algorithms import Job
 
 
 def warm_start_key(key: int) -> tuple[str, int]:

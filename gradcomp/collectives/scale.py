@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from gradcomp.collectives.algorithms import ALGORITHMS, check_algorithm, default_algorithm
+from gradcomp.collectives.policy import ALGORITHMS, check_algorithm, default_algorithm
 from gradcomp.collectives.sparse_two_phase import sparse_two_phase_sizes
 from gradcomp.collectives.stats import ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds

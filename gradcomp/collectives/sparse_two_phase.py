@@ -22,21 +22,18 @@ and ``(W-1) * ceil(k / W)`` pairs in the all-gather: about
 from __future__ import annotations
 
 import math
-import typing
 
 import torch
 import torch.distributed as dist
 
 from gradcomp import ops
+from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, TopK, mix_seed
 from gradcomp.compressors.base import resolve_k
 from gradcomp.payload import Layout, buffer_size, row_views
-
-if typing.TYPE_CHECKING:
-    from gradcomp.collectives.algorithms import Job
 
 # Row capacity of the all-to-all, in multiples of k / W: room for ranges that
 # hold twice their share of a rank's largest values.

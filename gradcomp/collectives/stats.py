@@ -12,15 +12,12 @@ import contextlib
 import dataclasses
 import math
 import time
-import typing
 
 import torch
 
+from gradcomp.collectives.job import Job
 from gradcomp.compressors import Context
 from gradcomp.payload import Payload
-
-if typing.TYPE_CHECKING:
-    from gradcomp.collectives.algorithms import Job
 
 
 @dataclasses.dataclass

@@ -10,13 +10,11 @@ import typing
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, exchange, measured, profiled
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, mix_seed
 from gradcomp.payload import buffer_size
-
-if typing.TYPE_CHECKING:
-    from gradcomp.collectives.algorithms import Job
 
 # Two-phase all-reduces of long CPU tensors run as a pipeline of segments,
 # so that compressing one segment overlaps the exchange of the one before
@@ -50,6 +48,27 @@ def two_phase_segments(
     elements but the last."""
     parts = 1 if device.type != "cpu" else max(1, min(MAX_SEGMENTS, numel // (world_size * SEGMENT_ELEMENTS)))
     return [(start, end) for start, end in chunk_bounds(numel, parts, world_size * align) if end > start]
+
+
+def owner_ranges(
+    compressor: Compressor, algorithm: str, numel: int, world_size: int, rank: int, device: torch.device
+) -> list[tuple[int, int]]:
+    """Where a ``two_phase`` owner's residual (key ``("two_phase", key)``) sits in
+    the tensor, in the residual's order: the chunks ``rank`` owns (Top-K's sparse
+    two-phase: one range, unaligned). Empty for the other algorithms, which keep no
+    owner's residual."""
+    if algorithm != "two_phase" or world_size == 1 or compressor.low_rank:
+        return []
+    if compressor.sparse:
+        start, end = chunk_bounds(numel, world_size, 1)[rank]
+        return [(start, end)] if end > start else []
+    align = getattr(compressor, "block", 1)
+    ranges = []
+    for start, end in two_phase_segments(numel, world_size, align, device):
+        own_start, own_end = chunk_bounds(end - start, world_size, align)[rank]
+        if own_end > own_start:
+            ranges.append((start + own_start, start + own_end))
+    return ranges
 
 
 def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:

@@ -10,7 +10,7 @@ ranks. The clone keeps these collectives apart from whatever the caller's
 thread issues on the group meanwhile.
 
 Overlap. A job may pause once its last collective is issued (it yields, see
-:func:`gradcomp.collectives.algorithms.job_steps`): if the next job is
+:func:`gradcomp.collectives.dispatch.job_steps`): if the next job is
 already queued and writes into other storage, the worker starts it
 (compressing it overlaps the transfer) and then finishes the paused one.
 Collectives are still issued, and futures completed, in submission order; a

@@ -1,0 +1,57 @@
+"""The ``allgather`` all-reduce: every rank's payload of the whole tensor
+gathered, decoded and added in rank order, so every rank gets the same bits.
+The default for payloads that do not add up on 2 ranks, and for Top-K below
+:data:`~gradcomp.collectives.policy.SPARSE_TWO_PHASE_FROM` ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+
+import torch
+
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange
+from gradcomp.collectives.two_phase import two_phase_segments
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
+from gradcomp.compressors import Compressor, mix_seed
+from gradcomp.payload import buffer_size
+
+
+def allgather_segments(compressor: Compressor, numel: int, device: torch.device) -> list[tuple[int, int]]:
+    """The segments of an ``allgather`` all-reduce: on CPUs a long dense payload goes as a
+    pipeline (:func:`two_phase_segments` of one rank: each at least ``SEGMENT_ELEMENTS``,
+    whole blocks), so that compressing one segment overlaps the exchange of the one
+    before; sparse payloads (a selection over the whole tensor) and GPUs take one."""
+    if compressor.sparse:
+        return [(0, numel)] if numel else []
+    return two_phase_segments(numel, 1, getattr(compressor, "block", 1), device)
+
+
+def allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+    """Gather every rank's payload of the whole tensor, decode and add them in
+    rank order (every rank gets the same bits); segment by segment
+    (:func:`allgather_segments`), each segment's random stream its own."""
+    residual = job.residual(job.key, flat)
+    gathers = []
+    for s, (start, end) in enumerate(allgather_segments(job.compressor, flat.numel(), flat.device)):
+        part = None if residual is None else residual.view(-1)[start:end]
+        segment_job = job if s == 0 else dataclasses.replace(job, key=mix_seed(job.key, s))
+        payload = compress_measured(segment_job, flat[start:end], part, q.rank, stats)
+        # Every payload's size follows from numel, dtype and settings: no size exchange.
+        width = buffer_size(payload.layout())
+        gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
+        with exchange():
+            gather = all_gather_async(gathered.view(-1), payload.to_buffer(width), q.group)
+        gathers.append((gather, gathered, payload.meta, start, end))
+        stats.bytes_sent += width * (q.world_size - 1)
+    yield  # every collective of this job is issued: the next job may start
+    divisor = q.world_size if job.op == "avg" else 1
+    for gather, gathered, meta, start, end in gathers:
+        with exchange():
+            gather.wait()
+        if job.gathered is not None:
+            job.gathered.append((gathered, meta))
+            continue
+        with Timer(stats):
+            job.compressor.decompress_sum(gathered, flat.dtype, flat[start:end], meta=meta, divisor=divisor)

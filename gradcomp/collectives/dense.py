@@ -1,0 +1,51 @@
+"""The ``dense`` all-reduce: the payloads of summable compressors (none, the
+16-bit casts, random-K with its shared indices) all-reduced as they are, then
+decoded; and a job on one rank, which only compresses and decodes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
+from gradcomp.collectives.worker import CollectiveQueue
+from gradcomp.compressors import Compressor
+
+
+def local(job: Job, flat: torch.Tensor, stats: ReduceStats) -> None:
+    """One rank: compress and decode ``flat`` in place (error feedback as on many)."""
+    payload = compress_measured(job, flat, job.residual(job.key, flat), 0, stats)
+    with Timer(stats):
+        job.compressor.decompress(payload, out=flat)
+
+
+def _divides_values(compressor: Compressor, sum_dtype: torch.dtype) -> bool:
+    """Whether a mean divides each decoded payload's values (sparse payloads
+    summed in fp32 or fp64: k values, no pass over the tensor) rather than
+    the tensor; 16-bit sums are divided before, so that they cannot overflow."""
+    return compressor.sparse and sum_dtype in (torch.float32, torch.float64)
+
+
+def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+    """All-reduce the payload's tensors themselves (they add up), then decode into ``flat``."""
+    # Where the mean is not taken when decoding, it is taken before the
+    # reduction: the tensor in place (the result overwrites it anyway) and
+    # the residual there and back, which stays in the input's units.
+    divide = q.world_size if job.op == "avg" else 1
+    at_decode = _divides_values(job.compressor, flat.dtype)
+    residual = job.residual(job.key, flat)
+    first = 1 if at_decode else divide
+    if first > 1:
+        flat.div_(first)
+        if residual is not None:
+            residual.div_(first)
+    payload = compress_measured(job, flat, residual, q.rank, stats)
+    if residual is not None and first > 1:
+        residual.mul_(first)
+    for wire in payload.tensors.values():
+        with exchange():
+            dist.all_reduce(wire, group=q.group)
+        stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
+    with Timer(stats):
+        job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)

@@ -1,0 +1,57 @@
+"""One compressed all-reduce, fully described: what every algorithm module takes.
+
+A leaf of the package: the algorithms (:mod:`~gradcomp.collectives.dense`,
+:mod:`~gradcomp.collectives.allgather`, :mod:`~gradcomp.collectives.two_phase`,
+...) import it, and the dispatcher (:mod:`~gradcomp.collectives.dispatch`)
+runs it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+
+import torch
+
+from gradcomp.collectives.nodes import Hierarchy
+from gradcomp.compressors import Compressor
+from gradcomp.feedback import ErrorFeedback
+
+
+@dataclasses.dataclass
+class Job:
+    """One compressed all-reduce, fully described (run by
+    :func:`gradcomp.collectives.dispatch.job_steps`).
+
+    Attributes:
+        feedback: where the residuals live (None: no error feedback).
+        key: residual and random-stream key (the same on every rank).
+        step: step number of the random streams.
+        hierarchy: the nodes of a ``hierarchical`` job; ``inter_algorithm``
+            the algorithm between nodes (None: the compressor's default).
+        shapes: the shapes of the tensors laid end to end in ``tensor``
+            (a DDP bucket's parameters), for a low-rank compressor; None:
+            the tensor's own shape.
+        gathered: a list: an ``allgather`` leaves its gathered payloads there,
+            ``(rows, meta)`` a segment, for the caller to decode (the
+            hierarchical algorithm's node stage), instead of decoding them.
+    """
+
+    tensor: torch.Tensor
+    compressor: Compressor
+    op: str
+    algorithm: str
+    feedback: ErrorFeedback | None
+    key: int
+    step: int
+    measure_error: bool = False
+    hierarchy: Hierarchy | None = None
+    inter_algorithm: str | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    gathered: list | None = None
+
+    def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
+        """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
+        if self.feedback is None or not self.compressor.needs_feedback:
+            return None
+        return self.feedback.residual(name, like)
