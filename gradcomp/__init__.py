@@ -16,6 +16,10 @@ from gradcomp.payload import Payload
 
 __version__ = "0.1.0"
 
+# all_reduce(t, "auto"): one shared planner.Auto, its measurements kept per group. Registered
+# here, above both packages: the collectives take any chooser and never import the planner.
+collectives.register_chooser("auto", planner.Auto)
+
 __all__ = [
     "COMPRESSORS",
     "Compressor",

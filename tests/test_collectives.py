@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -688,3 +689,60 @@ def _after_subgroups_of_some_ranks(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_private_groups_meet_whatever_groups_the_ranks_made_before():
     run_ranks(_after_subgroups_of_some_ranks, 4, timeout=60, group_timeout=15)
+
+
+class _BySize:
+    """A chooser (the protocol of gradcomp.collectives.Chooser): int8 gathered for
+    tensors of 1000 elements or more, dense below; it notes where it ran."""
+
+    def __init__(self, name: str = "by size"):
+        self.name, self.threads = name, []
+
+    def settings(self) -> dict:
+        return {"name": self.name}
+
+    def choice(self, q, tensor, hierarchy):
+        self.threads.append(threading.current_thread())
+        big = tensor.numel() >= 1000
+        plan = _Plan("int8" if big else "none", "allgather" if big else "dense")
+        return gradcomp.get_compressor(plan.compressor), plan
+
+
+@dataclasses.dataclass
+class _Plan:
+    compressor: str
+    algorithm: str
+    inter_algorithm: str | None = None
+
+
+def _any_chooser_and_registered_names(rank: int, world_size: int) -> None:
+    from gradcomp.collectives import register_chooser, shared_chooser
+
+    chooser = _BySize()
+    for numel, how in ((4097, ("int8", "allgather")), (10, ("none", "dense"))):
+        x = _input(rank, numel, torch.float32)
+        chosen, static = x.clone(), x.clone()
+        stats = gradcomp.all_reduce(chosen, chooser, feedback=False)
+        gradcomp.all_reduce(static, how[0], algorithm=how[1], feedback=False)
+        assert (stats.compressor, stats.algorithm) == how and torch.equal(chosen, static)
+    # It chose on the worker, in call order, not on the caller's thread.
+    assert len(chooser.threads) == 2 and threading.current_thread() not in chooser.threads
+    # A registered name (any case) stands for one shared instance, made at its first use.
+    register_chooser("by-size", _BySize)
+    gradcomp.all_reduce(torch.ones(4097), "by-size")
+    gradcomp.all_reduce(torch.ones(4097), "BY-SIZE")
+    shared = shared_chooser("by-size")
+    assert shared is shared_chooser("By-Size") and len(shared.threads) == 2
+    with pytest.raises(ValueError, match="names a compressor"):
+        register_chooser("Int8", _BySize)
+    with pytest.raises(ValueError, match="chooses the algorithm"):
+        gradcomp.all_reduce(torch.ones(4), "by-size", algorithm="dense")
+    # Ranks whose choosers' settings differ would choose apart: every rank raises.
+    named = f"compressor='by size {rank}'"
+    with pytest.raises(ValueError, match=f"ranks disagree on the all-reduce's {named} settings"):
+        gradcomp.all_reduce(torch.ones(4), _BySize(f"by size {rank}"))
+
+
+@pytest.mark.slow
+def test_all_reduce_takes_any_chooser_and_the_names_registered_for_one():
+    run_ranks(_any_chooser_and_registered_names, 2)

@@ -5,6 +5,8 @@ in place, ``op`` "avg" or "sum", ``async_op`` returning a handle.
 
 The package, one concern a module, imports pointing down this list:
 
+* :mod:`~gradcomp.collectives.chooser`: the :class:`Chooser` protocol
+  (``compressor="auto"`` and the like) and the registry of named choosers;
 * :mod:`~gradcomp.collectives.dispatch`: :func:`job_steps`, which runs a
   :class:`Job` with the algorithm it names (the one module that imports them all);
 * the algorithms: :mod:`~gradcomp.collectives.hierarchical` (dense inside a
@@ -38,6 +40,13 @@ import torch.distributed as dist
 from gradcomp import ops
 from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
 from gradcomp.collectives.allgather import allgather_segments
+from gradcomp.collectives.chooser import (
+    Chooser,
+    as_chooser,
+    chosen_steps,
+    register_chooser,
+    shared_chooser,
+)
 from gradcomp.collectives.dispatch import job_steps
 from gradcomp.collectives.hierarchical import check_node_size, hierarchy_for, nodes_for_auto
 from gradcomp.collectives.job import Job
@@ -60,6 +69,7 @@ from gradcomp.feedback import ErrorFeedback
 __all__ = [
     "ALGORITHMS",
     "HIERARCHICAL",
+    "Chooser",
     "CollectiveQueue",
     "Hierarchy",
     "Job",
@@ -80,30 +90,18 @@ __all__ = [
     "key_of",
     "owner_ranges",
     "queue_for",
+    "register_chooser",
     "release_queues",
     "resolve_op",
     "ring_all_reduce_bytes",
     "settings_key",
+    "shared_chooser",
     "two_phase_segments",
     "verify_agreement",
     "verify_settings",
 ]
 
 _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
-# all_reduce(t, "auto"): one planner per candidate set, its measurements kept per group.
-_SHARED_AUTO: dict = {}
-
-
-def _auto_steps(auto, job: Job, q: CollectiveQueue):
-    # On the worker, in call order: the first call on a group compares the ranks' settings
-    # (others would measure or plan apart, and hang), then measures it (a collective).
-    settings = auto.settings() | {"profile": "given" if auto.profile is not None else "measured"}
-    verify_settings(q, "the all-reduce's compressor='auto' settings", settings, job.tensor.device)
-    job.compressor, plan = auto.choice(q, job.tensor, job.hierarchy)
-    job.algorithm, job.inter_algorithm = plan.algorithm, plan.inter_algorithm
-    stats = yield from job_steps(job, q)
-    stats.compressor = plan.compressor
-    return stats
 
 
 class Work:
@@ -179,7 +177,7 @@ def _default_feedback(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
 
 def all_reduce(
     tensor: torch.Tensor,
-    compressor: Compressor | str,
+    compressor: Compressor | Chooser | str,
     group: dist.ProcessGroup | None = None,
     op="avg",
     async_op: bool = False,
@@ -197,9 +195,11 @@ def all_reduce(
     Args:
         tensor: floating tensor (fp32, fp16, bf16, fp64), same shape on every rank.
         compressor: a :class:`Compressor`, a name for :func:`get_compressor`,
-            or ``"auto"`` / a :class:`gradcomp.planner.Auto`: the compressor
-            and algorithm the planner picks for this size on this group's
-            measured link and device (the first call measures them).
+            or a :class:`Chooser` (an object, or the name it is registered
+            under: :func:`register_chooser`), which picks the compressor and
+            algorithm on the worker, call by call. ``"auto"`` (or a
+            :class:`gradcomp.planner.Auto`) picks them for this size on this
+            group's measured link and device (the first call measures them).
         group: process group (default WORLD).
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
         async_op: return a :class:`Work` at once instead of waiting.
@@ -232,25 +232,18 @@ def all_reduce(
         >>> for p in model.parameters():
         ...     gradcomp.all_reduce(p.grad, c, name=p_name)
     """
-    auto = None
-    if not isinstance(compressor, Compressor):
-        from gradcomp import planner  # it imports this package
-
-        if planner.is_auto(compressor):
-            if algorithm is not None or inter_algorithm is not None:
-                raise ValueError(
-                    "compressor='auto' chooses the algorithm: drop algorithm and inter_algorithm "
-                    "(node_size, where given, says which ranks share a node)"
-                )
-            if isinstance(compressor, str):
-                auto = _SHARED_AUTO.get("auto") or _SHARED_AUTO.setdefault("auto", planner.Auto())
-            else:
-                auto = compressor
-    compressor = auto or get_compressor(compressor)
+    chooser = as_chooser(compressor)
+    if chooser is not None and (algorithm is not None or inter_algorithm is not None):
+        named = repr(compressor) if isinstance(compressor, str) else type(compressor).__name__
+        raise ValueError(
+            f"compressor={named} chooses the algorithm: drop algorithm and inter_algorithm "
+            "(node_size, where given, says which ranks share a node)"
+        )
+    compressor = chooser or get_compressor(compressor)
     check_tensor(tensor)
     ops.check_forced_backend()
     op = resolve_op(op)
-    if auto is not None:
+    if chooser is not None:
         check_node_size(node_size)
     else:
         if algorithm is not None:
@@ -268,11 +261,11 @@ def all_reduce(
         step = counters.get(name, 0)
         counters[name] = step + 1
     q = queue_for(group)
-    if auto is not None:
+    if chooser is not None:
         job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
-        if q.world_size > 1:  # made here, in call order; auto weighs hierarchical on several nodes
+        if q.world_size > 1:  # made here, in call order; a chooser weighs hierarchical on several nodes
             job.hierarchy = nodes_for_auto(q, node_size)
-        steps = functools.partial(_auto_steps, auto, job, q)
+        steps = functools.partial(chosen_steps, chooser, job, q)
         future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce")
     else:
         algorithm = check_algorithm(compressor, algorithm, q.world_size)
