@@ -14,21 +14,20 @@ import argparse
 import dataclasses
 import importlib.util
 import math
-import re
 import sys
 import time
 
 from gradcomp import demo, planner
+from gradcomp.tables import format_table
+from gradcomp.units import argument, parse_count, parse_duration, parse_rate, parse_size, split_list
 
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
-_RATES = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "gb": 1e9, "mb": 1e6}
-_TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_DECIMAL = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}
+_RATE = argument(parse_rate)
+_DURATION = argument(parse_duration)
 
 
-def _names(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+def _runs(text: str) -> list[str]:
+    names = split_list(text)
     try:
         demo.check_runs(names)
     except ValueError as error:
@@ -59,23 +58,8 @@ def _positive(text: str) -> float:
     return value
 
 
-def _quantity(units: dict[str, float], what: str, integer: bool = False):
-    def parse(text: str):
-        match = re.fullmatch(r"([0-9.]+)\s*([a-z]*)", text.strip().lower())
-        if not match or match.group(2) not in units:
-            raise argparse.ArgumentTypeError(
-                f"{what}: expected a number with one of {sorted(units)}, got {text!r}"
-            )
-        value = float(match.group(1)) * units[match.group(2)]
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{what} must be positive, got {text!r}")
-        return int(value) if integer else value
-
-    return parse
-
-
 def _sizes(text: str) -> list[int]:
-    sizes = [_quantity(_UNITS, "size", integer=True)(part) for part in text.split(",") if part.strip()]
+    sizes = [argument(parse_size)(part) for part in split_list(text)]
     if not sizes:
         raise argparse.ArgumentTypeError("give at least one size")
     return sizes
@@ -106,10 +90,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--world-size", type=_at_least(2), default=2, help="processes to spawn (default 2)")
     run.add_argument(
         "--compressors",
-        type=_names,
+        type=_runs,
         default=list(demo.DEFAULT_RUNS),
         help=f"comma-separated runs (default {','.join(demo.DEFAULT_RUNS)}); 'dense' is DDP "
-        "without a hook, 'fp16_hook' torch's fp16 hook, the others gradcomp compressors",
+        "without a hook, 'fp16_hook' torch's fp16 hook, the others gradcomp compressors "
+        "(name, name@value or name:k=v)",
     )
     plan = commands.add_parser(
         "plan",
@@ -117,19 +102,20 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "The scale model: for each world size, compressor and algorithm, the bytes one rank "
             "sends in an all-reduce of NUMEL fp32 elements (from the payload layouts, as the "
-            "statistics count them) and the time a ring schedule takes on a link of the given "
-            "bandwidth per rank and latency per step. * marks each compressor's default algorithm."
+            "statistics count them) and the time a ring schedule takes on links of the given "
+            "rate (each rank's, bits per second each way) and latency per step. * marks each "
+            "compressor's default algorithm."
         ),
     )
     plan.add_argument(
         "--numel",
-        type=_quantity(_UNITS, "numel", integer=True),
+        type=argument(parse_size),
         default=25 * 2**20,
         help="elements of the all-reduce (K, M, G suffixes; default 25M)",
     )
     plan.add_argument(
         "--params",
-        type=_quantity(_DECIMAL, "params", integer=True),
+        type=argument(parse_count, positive=False),  # 0.4 is refused below: "at least 1"
         default=None,
         help="a model of this many parameters (K, M, G: thousands, millions, billions): print what "
         "each candidate costs a step in DDP buckets and what auto picks, instead of the sweep",
@@ -165,19 +151,19 @@ def parser() -> argparse.ArgumentParser:
         "--node-size",
         type=_at_least(1),
         default=None,
-        help="with --params: ranks per node; --bandwidth is then each rank's share of the link between "
-        "nodes, and the hierarchical algorithm is weighed too",
+        help="with --params: ranks per node; --bandwidth is then each rank's link between nodes (its "
+        "share of the node's where they share one), and the hierarchical algorithm is weighed too",
     )
     plan.add_argument(
         "--intra-bandwidth",
-        type=_quantity(_RATES, "intra-bandwidth"),
+        type=_RATE,
         default=None,
-        help="with --node-size: per rank inside a node, e.g. 900gb (default: the profile's link, "
-        "measured inside one machine)",
+        help="with --node-size: each rank's link inside a node, bits per second each way, e.g. "
+        "7200gbit (NVLink's 900 GB/s; default: the profile's link, measured inside one machine)",
     )
     plan.add_argument(
         "--intra-latency",
-        type=_quantity(_TIMES, "intra-latency"),
+        type=_DURATION,
         default=None,
         help="with --node-size: per collective step inside a node, e.g. 5us (default: the profile's)",
     )
@@ -189,13 +175,14 @@ def parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--bandwidth",
-        type=_quantity(_RATES, "bandwidth"),
+        type=_RATE,
         default=None,
-        help="per rank, e.g. 1gbit, 100gbit, 25gb (bytes/s; default 10gbit, or the profile's with --params)",
+        help="each rank's link, bits per second each way as a NIC's rate is given, e.g. 1gbit, "
+        "100gbit (default 10gbit, or the profile's with --params)",
     )
     plan.add_argument(
         "--latency",
-        type=_quantity(_TIMES, "latency"),
+        type=_DURATION,
         default=None,
         help="per collective step, e.g. 20us (default 20us, or the profile's with --params)",
     )
@@ -279,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args) -> int:
     from gradcomp.collectives import scale
 
-    names = [name.strip() for name in args.compressors.split(",") if name.strip()]
+    names = split_list(args.compressors)
     if not names:
         sys.stderr.write("gradcomp plan: --compressors names no compressor\n")
         return 2
-    link = scale.Link(args.bandwidth or 10e9 / 8, 20e-6 if args.latency is None else args.latency)
+    link = scale.Link((args.bandwidth or 10e9) / 8, 20e-6 if args.latency is None else args.latency)
     try:
         records = scale.table(names, args.numel, args.world_sizes, link)
     except (ValueError, TypeError) as error:
@@ -301,9 +288,7 @@ def _plan(args) -> int:
             for r in group
         ]
         lines.append([name, algorithm, *cells])
-    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths], *lines]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    print(format_table(header, lines, left=()))
     if args.png:
         _plot(records, args, args.png)
         print(f"wrote {args.png}")
@@ -340,12 +325,6 @@ def _plot(records: list[dict], args, path: str) -> None:
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
-def _print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
-
-
 def _buckets(params: int, bucket_mb: float, itemsize: int = 4) -> list[int]:
     """The model's parameters of ``itemsize`` bytes in DDP buckets of ``bucket_mb`` MB
     (the last one short)."""
@@ -370,7 +349,7 @@ def _decide(args) -> int:
     inside = profile.link
     profile = dataclasses.replace(profile, nodes=None)  # a probe's nodes: only --node-size says them here
     if args.bandwidth is not None or args.latency is not None:
-        profile = profile.with_link(args.bandwidth, args.latency)
+        profile = profile.with_link(None if args.bandwidth is None else args.bandwidth / 8, args.latency)
     world = args.world or 8
     if (args.intra_bandwidth is not None or args.intra_latency is not None) and args.node_size is None:
         sys.stderr.write("gradcomp plan: --intra-bandwidth and --intra-latency need --node-size\n")
@@ -380,7 +359,8 @@ def _decide(args) -> int:
             sys.stderr.write(f"gradcomp plan: --node-size {args.node_size} does not divide {world} ranks\n")
             return 2
         latency = inside.latency if args.intra_latency is None else args.intra_latency
-        inside = scale.Link(args.intra_bandwidth or inside.bandwidth, latency)
+        bandwidth = inside.bandwidth if args.intra_bandwidth is None else args.intra_bandwidth / 8
+        inside = scale.Link(bandwidth, latency)
         nodes = planner.Nodes.on_links(args.node_size, world // args.node_size, inside, profile.link)
         profile = dataclasses.replace(profile, nodes=nodes)
     kind = args.dtype or "fp32"
@@ -430,7 +410,7 @@ def _decide(args) -> int:
         )
     header = ["candidate", "algorithm", "MB sent/rank", "exchange ms", "codec ms", "overlap ms", "total ms"]
     header.append("vs dense")
-    _print_table(header, rows)
+    print(format_table(header, rows, left=()))
     chosen = sum(p.seconds for p in plan)
     picks: dict[tuple[str, str], int] = {}
     for p in plan:
@@ -455,7 +435,7 @@ def _probe(args) -> int:
     from gradcomp import spawn
 
     try:
-        specs = [s for s in args.compressors.split(",") if s.strip()]
+        specs = split_list(args.compressors)
         planner.options(specs, None)  # unknown names and low-rank ones refused here
     except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp probe: {error}\n")
@@ -464,19 +444,22 @@ def _probe(args) -> int:
     profile, rows = spawn.run_ranks(
         _probe_rank, args.world_size, args.sizes, specs, args.codec_sizes, args.repeat
     )
-    _print_table(
-        ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s", "transport CPU ms"],
-        [
+    print(
+        format_table(
+            ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s", "transport CPU ms"],
             [
-                r["collective"],
-                f"{r['numel']:,}",
-                f"{r['bytes_sent']:,}",
-                f"{r['seconds'] * 1e3:.3g}",
-                f"{r['bytes_sent'] * 8 / r['seconds'] / 1e9:.3g}",
-                f"{r['cpu_seconds'] * 1e3:.3g}" if "cpu_seconds" in r else "-",
-            ]
-            for r in rows
-        ],
+                [
+                    r["collective"],
+                    f"{r['numel']:,}",
+                    f"{r['bytes_sent']:,}",
+                    f"{r['seconds'] * 1e3:.3g}",
+                    f"{r['bytes_sent'] * 8 / r['seconds'] / 1e9:.3g}",
+                    f"{r['cpu_seconds'] * 1e3:.3g}" if "cpu_seconds" in r else "-",
+                ]
+                for r in rows
+            ],
+            left=(),
+        )
     )
     for name, link in (("all_reduce", profile.link), *profile.links.items()):
         step = "one way" if name == "pingpong" else "per ring step"
@@ -485,18 +468,21 @@ def _probe(args) -> int:
             f"fit, {name}: {link.latency * 1e6:.3g} us {step}, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
             + (f"; the transport takes {cpu * 1e9:.3g} ms of the host's CPU a MB sent" if cpu else "")
         )
-    _print_table(
-        ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
-        [
+    print(
+        format_table(
+            ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
             [
-                name,
-                f"{c.encode.rate / 1e6:.4g}",
-                f"{c.decode.rate / 1e6:.4g}",
-                f"{c.encode.overhead * 1e6:.3g}",
-                f"{c.decode.overhead * 1e6:.3g}",
-            ]
-            for name, c in profile.codecs.items()
-        ],
+                [
+                    name,
+                    f"{c.encode.rate / 1e6:.4g}",
+                    f"{c.decode.rate / 1e6:.4g}",
+                    f"{c.encode.overhead * 1e6:.3g}",
+                    f"{c.decode.overhead * 1e6:.3g}",
+                ]
+                for name, c in profile.codecs.items()
+            ],
+            left=(),
+        )
     )
     profile.save(args.out)
     print(f"wrote {args.out}")

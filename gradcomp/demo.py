@@ -30,14 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import gradcomp
-from gradcomp import spawn
+from gradcomp import planner, spawn
 from gradcomp.collectives import ring_all_reduce_bytes
+from gradcomp.tables import format_cell
+from gradcomp.tables import format_table as format_rows
 
 # Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
 TORCH_RUNS = {"dense": 4, "fp16_hook": 2}
-# Options of the gradcomp runs that differ from the compressor's defaults.
-OPTIONS = {"topk": {"ratio": 0.01}, "randk": {"ratio": 0.01}}
-DEFAULT_RUNS = ("dense", "fp16_hook", "int8", "sign", "topk", "randk")
+DEFAULT_RUNS = ("dense", "fp16_hook", "int8", "sign", "topk@0.01", "randk@0.01")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,21 +94,27 @@ class Row:
 
 
 def label_of(name: str) -> str:
-    """How a run is called in the table, e.g. ``topk ratio=0.01``."""
-    if name == "fp16_hook":
-        return "torch fp16 hook"
-    options = " ".join(f"{key}={value}" for key, value in OPTIONS.get(name, {}).items())
-    return f"{name} {options}".strip()
+    """How a run is called in the table: its spec (``topk@0.01``), or torch's hook by name."""
+    return "torch fp16 hook" if name == "fp16_hook" else name
 
 
 def check_runs(names: Sequence[str]) -> None:
-    """Raise ValueError for a name that is neither a torch run nor a gradcomp compressor."""
+    """Raise ValueError for a name that is neither a torch run nor a compressor spec
+    (:func:`gradcomp.planner.candidate`'s: ``int8``, ``topk@0.01``, ``int4:block=128``)."""
     known = [*TORCH_RUNS, *gradcomp.COMPRESSORS]
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name not in TORCH_RUNS and not _is_spec(name)]
     if unknown:
-        raise ValueError(f"unknown demo runs {unknown}; choose from {known}")
+        raise ValueError(f"unknown demo runs {unknown}; choose from {known} (name, name@value or name:k=v)")
     if not names:
         raise ValueError(f"no demo runs given; choose from {known}")
+
+
+def _is_spec(name: str) -> bool:
+    try:
+        planner.candidate(name)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- data and model
@@ -154,7 +160,7 @@ def _attach(model: DistributedDataParallel, name: str) -> gradcomp.ddp.HookState
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     if name in TORCH_RUNS:
         return None
-    return gradcomp.ddp.register(model, name, min_numel=0, measure_error=True, **OPTIONS.get(name, {}))
+    return gradcomp.ddp.register(model, planner.candidate(name), min_numel=0, measure_error=True)
 
 
 def train(name: str, position: str, data: dict, setup: Setup, progress: tqdm | None = None) -> Row:
@@ -231,8 +237,7 @@ def run_demo(
 
     Args:
         names: ``"dense"`` (DDP without a hook), ``"fp16_hook"`` (torch's
-            fp16 hook) or gradcomp compressor names (``topk`` and ``randk``
-            keep 1% of the elements).
+            fp16 hook) or gradcomp compressor specs (``int8``, ``topk@0.01``).
         epochs: passes over the training set.
         world_size: processes to spawn (at least 2).
         show_progress: draw a progress bar (tqdm) on stderr while training
@@ -296,20 +301,11 @@ def format_table(rows: list[Row]) -> str:
             f"{row.bytes_per_step:,.0f}",
             f"{row.ratio:.1f}",
             f"{row.step_ms:.2f}",
-            "-" if math.isnan(row.compress_ms) else f"{row.compress_ms:.2f}",
-            "-" if math.isnan(row.relative_error) else f"{row.relative_error:.3f}",
+            format_cell(row.compress_ms),
+            format_cell(row.relative_error, ".3f"),
             f"{row.train_loss:.5f}",
             f"{100 * row.test_accuracy:.1f}%",
         )
         for row in rows
     ]
-    widths = [max(len(line[i]) for line in (header, *lines)) for i in range(len(header))]
-
-    def join(cells):
-        return "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    rule = "  ".join("-" * width for width in widths)
-    return "\n".join([join(header), rule, *map(join, lines)])
+    return format_rows(header, lines)

@@ -634,7 +634,7 @@ def test_plan_on_nodes_weighs_hierarchical_with_the_link_inside_a_node(tmp_path,
     profile(GBIT).save(path)
     argv = ["plan", "--params", "350M", "--world", "16", "--profile", str(path), "--node-size", "8"]
     # 1 Gbit/s between nodes, NVLink-like inside: the shard's int4 between nodes wins.
-    assert cli.main([*argv, "--intra-bandwidth", "900gb", "--intra-latency", "5us"]) == 0
+    assert cli.main([*argv, "--intra-bandwidth", "7200gbit", "--intra-latency", "5us"]) == 0
     text = capsys.readouterr().out
     assert "nodes of 8 ranks: inside one 7.2e+03 Gbit/s per rank, 5 us per step" in text
     rows = {tuple(line.split()[:2]) for line in text.splitlines()}
