@@ -32,12 +32,22 @@ import statistics
 import sys
 import time
 
-import common
 import torch
 import torch.distributed as dist
+from lib import spawning
+from lib.link import add_bandwidth_option, maybe_run_limited
+from lib.machine import machine
+from lib.options import add_common_options
+from lib.plots import figure
+from lib.progress import Progress
+from lib.results import Results, publish
+from lib.specs import parse_run
 
 import gradcomp
 from gradcomp.collectives import ALGORITHMS, check_algorithm, ring_all_reduce_bytes
+from gradcomp.spawn import RanksFailed
+from gradcomp.tables import format_table
+from gradcomp.units import argument, format_size, parse_size, split_list
 
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "int4", "sign", "topk", "randk")
 CPU_SIZES = ("64KiB", "64MiB")
@@ -66,18 +76,18 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument(
         "--min-bytes",
-        type=common.parse_size,
+        type=argument(parse_size),
         help=f"smallest message (default {CPU_SIZES[0]} on CPU, {GPU_SIZES[0]} on GPU)",
     )
     top.add_argument(
         "--max-bytes",
-        type=common.parse_size,
+        type=argument(parse_size),
         help=f"largest message (default {CPU_SIZES[1]} on CPU, {GPU_SIZES[1]} on GPU)",
     )
     top.add_argument("--warmup", type=int, default=3, help="untimed iterations per cell (default 3)")
     top.add_argument("--iters", type=int, default=10, help="timed iterations per cell (default 10)")
-    common.add_common_options(top, spawn_default=None)
-    common.add_bandwidth_option(top)
+    add_common_options(top, spawn_default=None)
+    add_bandwidth_option(top)
     return top
 
 
@@ -86,14 +96,14 @@ def methods(specs: list[str], algorithms: str, world_size: int | None = None) ->
     default algorithms are those of ``world_size`` ranks."""
     chosen = []
     for spec in specs:
-        label, name, options = common.parse_compressor(spec)
+        label, name, options = parse_run(spec)
         compressor = gradcomp.get_compressor(name, **options)
         if algorithms == "default":
             candidates = [None]
         elif algorithms == "all":
             candidates = list(ALGORITHMS)
         else:
-            candidates = common.split_list([algorithms])
+            candidates = split_list([algorithms])
         for algorithm in candidates:
             try:
                 resolved = check_algorithm(compressor, algorithm, world_size)
@@ -140,17 +150,17 @@ def measure(rank: int, world_size: int, settings: dict, device: torch.device) ->
     """Time every cell on every rank; returns the records (the same on every rank)."""
     chosen = methods(settings["compressors"], settings["algorithms"], world_size)
     sizes = message_sizes(settings["min_bytes"], settings["max_bytes"])
-    progress = common.Progress(len(sizes) * (1 + len(chosen)), settings["progress"] if rank == 0 else False)
+    progress = Progress(len(sizes) * (1 + len(chosen)), settings["progress"] if rank == 0 else False)
     records = []
     for size in sizes:
         generator = torch.Generator(device=device).manual_seed(1000 * rank + size % 997)
         source = torch.randn(size // 4, generator=generator, device=device)
         dense = time_dense(source, world_size, settings, device)
         records.append(dense)
-        progress.update(len(records), f"{common.format_size(size)} dense")
+        progress.update(len(records), f"{format_size(size)} dense")
         for method in chosen:
             records.append(time_compressed(source, method, dense, settings, device))
-            progress.update(len(records), f"{common.format_size(size)} {method['label']}")
+            progress.update(len(records), f"{format_size(size)} {method['label']}")
     progress.close()
     return records
 
@@ -239,7 +249,7 @@ def format_report(records: list[dict]) -> str:
         cells = {r["method"]: r for r in records if r["size_bytes"] == size}
         dense = cells["dense"]
         row = [
-            common.format_size(size),
+            format_size(size),
             _time(dense["time_us"]),
             f"{dense['algbw_GBps']:.3f}",
             f"{dense['busbw_GBps']:.3f}",
@@ -248,69 +258,56 @@ def format_report(records: list[dict]) -> str:
             cell = cells[label]
             row += [
                 _time(cell["time_us"]),
-                common.format_size(cell["bytes_sent"]),
+                format_size(cell["bytes_sent"]),
                 f"{cell['effective_GBps']:.3f}",
                 f"{cell['speedup']:.2f}x",
             ]
         rows.append(row)
-    return common.format_table(header, rows, groups)
+    return format_table(header, rows, groups)
 
 
 def plot(records: list[dict], title: str, path: str) -> None:
     """Time and speedup over dense against message size, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for label in dict.fromkeys(r["method"] for r in records):
-        cells = [r for r in records if r["method"] == label]
-        sizes = [r["size_bytes"] for r in cells]
-        style = dict(color="black", linewidth=2.5) if label == "dense" else {}
-        left.plot(sizes, [r["time_us"] for r in cells], marker="o", label=label, **style)
-        right.plot(sizes, [r["speedup"] for r in cells], marker="o", label=label, **style)
-    for axis, ylabel in ((left, "time (us), median of the slowest rank"), (right, "speedup over dense")):
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("message size (bytes, fp32)")
-        axis.set_ylabel(ylabel)
-        axis.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, ncols=2, figsize=(13, 5)) as (_, (left, right)):
+        for label in dict.fromkeys(r["method"] for r in records):
+            cells = [r for r in records if r["method"] == label]
+            sizes = [r["size_bytes"] for r in cells]
+            style = dict(color="black", linewidth=2.5) if label == "dense" else {}
+            left.plot(sizes, [r["time_us"] for r in cells], marker="o", label=label, **style)
+            right.plot(sizes, [r["speedup"] for r in cells], marker="o", label=label, **style)
+        for axis, ylabel in ((left, "time (us), median of the slowest rank"), (right, "speedup over dense")):
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel("message size (bytes, fp32)")
+            axis.set_ylabel(ylabel)
+            axis.grid(True, which="both", alpha=0.3)
+        left.legend(fontsize=8)
 
 
-def report(records: list[dict], settings: dict, results: common.Results) -> None:
+def report(records: list[dict], settings: dict, results: Results) -> None:
     facts = results.machine
     print(f"# machine: {facts['machine']}")
-    smallest, largest = (common.format_size(settings[key]) for key in ("min_bytes", "max_bytes"))
+    smallest, largest = (format_size(settings[key]) for key in ("min_bytes", "max_bytes"))
     print(
         f"# fp32 messages {smallest}..{largest}, "
         f"warmup {settings['warmup']}, iters {settings['iters']}, median of the slowest rank; "
         "error feedback: each compressor's default (on for biased ones); GB = 1e9 bytes"
     )
     print(format_report(records))
-    paths = results.write(records)
-    png = results.path("png")
-    plot(records, f"allreduce: {facts['machine']}", png)
-    print(f"# wrote {', '.join([*paths, png])}")
-    print(f"# load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
+    publish(results, records, plot, prefix="# ")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    common.maybe_run_limited(args)
-    torchrun = common.torchrun_world()
+    maybe_run_limited(args)
+    torchrun = spawning.torchrun_world()
     if torchrun is None and args.spawn is None:
         args.spawn = 2
     on_gpu = torchrun is not None and torch.cuda.is_available()
     defaults = GPU_SIZES if on_gpu else CPU_SIZES
-    args.min_bytes = args.min_bytes or common.parse_size(defaults[0])
-    args.max_bytes = args.max_bytes or common.parse_size(defaults[1])
-    args.compressors = common.split_list(args.compressors)
+    args.min_bytes = args.min_bytes or parse_size(defaults[0])
+    args.max_bytes = args.max_bytes or parse_size(defaults[1])
+    args.compressors = split_list(args.compressors)
     try:
         if not methods(args.compressors, args.algorithms):
             raise argparse.ArgumentTypeError(f"no valid compressor/algorithm pair in {args.algorithms!r}")
@@ -320,17 +317,17 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
     settings = vars(args)
     if torchrun is None:
-        results = common.Results("allreduce", common.machine(args.spawn, "gloo"), settings, args.out)
+        results = Results("allreduce", machine(args.spawn, "gloo"), settings, args.out)
         try:
-            records = common.spawn(spawned, args.spawn, settings)
-        except common.RanksFailed as error:
+            records = spawning.spawn(spawned, args.spawn, settings)
+        except RanksFailed as error:
             sys.stderr.write(f"allreduce failed: {error}\n")
             return 1
         report(records, settings, results)
         return 0
-    backend, device = common.init_torchrun()
+    backend, device = spawning.init_torchrun()
     rank, world_size = torchrun
-    results = common.Results("allreduce", common.machine(world_size, backend), settings, args.out)
+    results = Results("allreduce", machine(world_size, backend), settings, args.out)
     try:
         records = measure(rank, world_size, settings, device)
         if rank == 0:

@@ -59,45 +59,27 @@ import statistics
 import sys
 import time
 
-import common
-import lm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from lib import spawning
+from lib.convergence_lm import LM_ADAM, LM_BASELINES, LM_COMPRESSORS, LM_LR, main_lm
+from lib.machine import machine
+from lib.options import add_common_options
+from lib.plots import figure
+from lib.progress import Progress
+from lib.results import Results, publish_curves
+from lib.specs import parse_run
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
-from gradcomp.collectives import ring_all_reduce_bytes, scale
+from gradcomp.collectives import ring_all_reduce_bytes
 from gradcomp.demo import load_digits, make_mlp
+from gradcomp.spawn import RanksFailed
+from gradcomp.tables import format_table
+from gradcomp.units import split_list
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
-LM_COMPRESSORS = ("int8", "int4", "topk", "powersgd")
-LM_BASELINES = ("fp16_hook", "powersgd_hook")
-LM_LABELS = {"fp16_hook": "torch fp16 hook", "powersgd_hook": "torch PowerSGD rank 4"}
-# The model and batches of --task lm (about 0.44M parameters; 150 ms a step on
-# one core of a 2-core Xeon VM).
-LM_MODEL = dict(width=128, layers=2, heads=4, context=64)
-LM_BATCH, LM_EVAL_EVERY, LM_EVAL_BATCHES = 32, 50, 8
-# Gradient-compression runs of --task lm whose final validation loss is to be
-# within a bound of dense's (issue targets); other runs are reported only.
-LM_TARGETS = {"int8": 0.01, "int4": 0.02, "powersgd": 0.03}
-# And every run that sends at least FEW_BYTES times fewer bytes than dense
-# (over the whole run): within FEW_BYTES_BOUND of dense, and better than torch's
-# PowerSGD hook on both loss and bytes when that runs beside it.
-FEW_BYTES, FEW_BYTES_BOUND = 16.0, 0.03
-# Dense's best peak learning rate on this task, of 7.5e-4, 1e-3, 1.5e-3, 2e-3,
-# 2.5e-3 and 3e-3 (bench/results/convergence-lm-cpu2-w2-lr*.csv): every run uses it.
-LM_LR = 2e-3
-# CompressedAdam's default run: sign updates after int4-averaged AdamW steps.
-LM_ADAM = ("sign:gradient=int4",)
-# Its AdamW steps before the second moment freezes, unless a run says: a fifth
-# of the run (frozen after a tenth, with nothing lost on the wire, the second
-# moment cost +5.9% at lr 3e-3; after a fifth +0.9%).
-LM_ADAM_WARMUP = 0.2
-ADAM_OPTIONS = ("warmup", "gradient", "exact")
-EXACT = ("vectors", "embeddings")
-ONE_BUCKET_MB = 4096.0
 # Runs whose final loss should be within TOLERANCE of dense's (the project's targets).
 TARGETS = ("int8 (feedback)", "topk (feedback)", "randk (feedback)")
 TOLERANCE = 0.02
@@ -166,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
         help="compressed runs reduce their first N steps dense, through the hook's warmup_steps "
         "(like PowerSGD's start_powerSGD_iter); their bytes/step average over every step (default 0)",
     )
-    common.add_common_options(top)
+    add_common_options(top)
     return top
 
 
@@ -174,7 +156,7 @@ def plan(specs: list[str]) -> list[dict]:
     """Dense first, then every compressor with and without error feedback."""
     runs = [dict(label="dense", name=None, options={}, feedback=None)]
     for spec in specs:
-        label, name, options = common.parse_compressor(spec)
+        label, name, options = parse_run(spec)
         for feedback in (True, False):
             shown = f"{label} ({'feedback' if feedback else 'no feedback'})"
             runs.append(dict(label=shown, name=name, options=options, feedback=feedback))
@@ -258,7 +240,7 @@ def evaluate(net: torch.nn.Module, data: dict) -> tuple[float, float, float]:
 def ranks(rank: int, world_size: int, runs: list[dict], settings: dict) -> list[dict]:
     data = load_digits(settings["seed"])
     epochs = settings["epochs"]
-    progress = common.Progress(len(runs) * epochs, settings["progress"] if rank == 0 else False)
+    progress = Progress(len(runs) * epochs, settings["progress"] if rank == 0 else False)
     records = [
         train(rank, world_size, run, data, settings, progress, i * epochs) for i, run in enumerate(runs)
     ]
@@ -306,34 +288,25 @@ def format_report(records: list[dict]) -> str:
         ]
         for r in records
     ]
-    return common.format_table(header, rows, left=(0, -1))
+    return format_table(header, rows, left=(0, -1))
 
 
 def plot(records: list[dict], title: str, path: str) -> None:
     """Train loss after each epoch: runs with error feedback on the left, without on the right."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for axis, feedback in zip(axes, (True, False), strict=True):
-        for record in records:
-            if record["feedback"] not in (None, feedback):
-                continue
-            epochs = range(1, len(record["curve"]) + 1)
-            style = dict(color="black", linewidth=2.5) if record["feedback"] is None else {}
-            axis.plot(epochs, record["curve"], label=record["run"], **style)
-        axis.set_yscale("log")
-        axis.set_xlabel("epoch")
-        axis.set_title("with error feedback" if feedback else "without error feedback", fontsize=10)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    axes[0].set_ylabel("cross-entropy on the training set")
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, ncols=2, figsize=(13, 5), sharey=True) as (_, axes):
+        for axis, feedback in zip(axes, (True, False), strict=True):
+            for record in records:
+                if record["feedback"] not in (None, feedback):
+                    continue
+                epochs = range(1, len(record["curve"]) + 1)
+                style = dict(color="black", linewidth=2.5) if record["feedback"] is None else {}
+                axis.plot(epochs, record["curve"], label=record["run"], **style)
+            axis.set_yscale("log")
+            axis.set_xlabel("epoch")
+            axis.set_title("with error feedback" if feedback else "without error feedback", fontsize=10)
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize=8)
+        axes[0].set_ylabel("cross-entropy on the training set")
 
 
 def make_cnn(channels: int, classes: int, seed: int) -> torch.nn.Module:
@@ -374,18 +347,18 @@ def describe(settings: dict, records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     default = LM_COMPRESSORS if args.task == "lm" else DEFAULT_COMPRESSORS
-    args.compressors = common.split_list(list(default) if args.compressors is None else args.compressors)
+    args.compressors = split_list(list(default) if args.compressors is None else args.compressors)
     if args.adam is not None and args.task != "lm":
         parser().error("--adam is for --task lm")
     if args.adam is None:
         args.adam = list(LM_ADAM) if args.task == "lm" else []
-    args.adam = common.split_list(args.adam)
+    args.adam = split_list(args.adam)
     if args.lr is None:
         args.lr = LM_LR if args.task == "lm" else 0.01
     if args.width is None:
         args.width = 16 if args.task == "vision" else 256
     if args.task == "lm":
-        return main_lm(args)
+        return main_lm(args, parser().error)
     try:
         runs = plan(args.compressors)
     except argparse.ArgumentTypeError as error:
@@ -398,322 +371,24 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("need 0 <= --momentum < 1")
     settings = vars(args)
     benchmark = "convergence" if args.task == "mlp" else f"convergence-{args.task}"
-    results = common.Results(benchmark, common.machine(args.spawn, "gloo"), settings, args.out)
+    results = Results(benchmark, machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
     # Every run in one spawn: allow a second an epoch a run a rank (a 2-core
     # machine takes about a third of that), and never less than ten minutes.
     timeout = max(600.0, len(runs) * args.epochs * args.spawn)
     try:
-        records = common.spawn(ranks, args.spawn, runs, settings, timeout=timeout)
-    except common.RanksFailed as error:
+        records = spawning.spawn(ranks, args.spawn, runs, settings, timeout=timeout)
+    except RanksFailed as error:
         sys.stderr.write(f"convergence failed: {error}\n")
         return 1
     derive(records)
     print(describe(settings, records))
     print(format_report(records))
-    write(results, records, plot, benchmark)
+    publish_curves(results, records, plot)
     return 0
-
-
-def write(results: common.Results, records: list[dict], draw, title: str, extra: dict | None = None) -> None:
-    """Write the records (their curves apart, in the JSON) and ``draw``'s PNG; say where."""
-    curves = {record["run"]: record.pop("curve") for record in records}
-    paths = results.write(records, extra=dict(curves=curves, **(extra or {})))
-    for record in records:
-        record["curve"] = curves[record["run"]]
-    png = results.path("png")
-    draw(records, f"{title}: {results.machine['machine']}", png)
-    print(f"wrote {', '.join([*paths, png])}")
-    print(f"load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
 
 
 # ----------------------------------------------------------------------------- --task lm
-
-
-def lm_runs(specs: list[str], baselines: list[str], adam: list[str] = (), steps: int = 600) -> list[dict]:
-    """Dense, then torch's hooks, then every compressor (its default error
-    feedback), then the CompressedAdam runs (of ``steps`` steps)."""
-    runs = [dict(label="dense", kind="dense", name=None, options={})]
-    runs += [dict(label=LM_LABELS[b], kind=b, name=None, options={}) for b in baselines]
-    for spec in specs:
-        label, name, options = common.parse_compressor(spec)
-        runs.append(dict(label=label, kind="gradcomp", name=name, options=options))
-    return runs + [parse_adam(spec, steps) for spec in adam]
-
-
-def parse_adam(spec: str, steps: int = 600) -> dict:
-    """``"sign:warmup=60,block=512"`` -> a CompressedAdam run (its options apart from the compressor's)."""
-    name, _, rest = spec.strip().partition(":")
-    warmup = max(1, round(LM_ADAM_WARMUP * steps))
-    settings, kept = dict(warmup=warmup, gradient=None, exact=None), []
-    for item in filter(None, rest.split(",")):
-        key = item.partition("=")[0].strip()
-        if key in ADAM_OPTIONS:
-            settings[key] = item.partition("=")[2].strip()
-        else:
-            kept.append(item)
-    try:
-        settings["warmup"] = int(settings["warmup"])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"warmup must be an integer (in {spec!r})") from None
-    if settings["exact"] not in (None, *EXACT):
-        raise argparse.ArgumentTypeError(f"exact must be one of {EXACT} (in {spec!r})")
-    if settings["gradient"] is not None:  # kept parsed: (name, options)
-        settings["gradient"] = common.parse_compressor(settings["gradient"])[1:]
-        if "algorithm" in settings["gradient"][1]:
-            message = f"the gradient compressor takes the run's algorithm (in {spec!r})"
-            raise argparse.ArgumentTypeError(message)
-    _, name, options = common.parse_compressor(":".join([name, ",".join(kept)]))
-    label = f"CompressedAdam {spec.strip()}"
-    if "warmup=" not in spec:
-        label += f" (warm-up {settings['warmup']})"
-    return dict(label=label, kind="adam", name=name, options=options, adam=settings)
-
-
-def adam_groups(net: torch.nn.Module, exact: str | None) -> list[dict]:
-    """One compressed group, and with ``exact`` one AdamW group of the vectors (and the embeddings)."""
-    if exact is None:
-        return [dict(params=list(net.parameters()))]
-    embeddings = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Embedding)}
-
-    def is_exact(p: torch.Tensor) -> bool:
-        return p.dim() < 2 or (exact == "embeddings" and id(p) in embeddings)
-
-    params = list(net.parameters())
-    return [
-        dict(params=[p for p in params if not is_exact(p)]),
-        dict(params=[p for p in params if is_exact(p)], compressor=None),
-    ]
-
-
-def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
-    """Train one --task lm run on every rank; rank 0's record."""
-    train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"])
-    net = lm.GPT(**LM_MODEL, seed=settings["seed"])
-    one_bucket = run["kind"] == "powersgd_hook"
-    adam = run["kind"] == "adam"
-    model = net if adam else DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
-    steps, dense_steps = settings["steps"], settings["dense_steps"]
-    state = None
-    hyper = dict(lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
-    if adam:  # the optimizer averages: no DDP
-        options = dict(run["options"])
-        algorithm = options.pop("algorithm", None)
-        gradient = run["adam"]["gradient"]
-        if gradient is not None:
-            gradient = gradcomp.get_compressor(gradient[0], **gradient[1])
-        optimizer = gradcomp.optim.CompressedAdam(
-            adam_groups(net, run["adam"]["exact"]),
-            compressor=gradcomp.get_compressor(run["name"], **options),
-            gradient_compressor=gradient,
-            warmup_steps=run["adam"]["warmup"],
-            algorithm=algorithm,
-            **hyper,
-        )
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), **hyper)
-    if run["kind"] == "fp16_hook":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif one_bucket:
-        # torch asks for at least 2 dense steps with error feedback and warm start.
-        start = max(2, dense_steps)
-        hook_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=start)
-        model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
-    elif run["kind"] == "gradcomp":
-        state = gradcomp.ddp.register(
-            model, run["name"], warmup_steps=dense_steps, min_numel=0, measure_error=False, **run["options"]
-        )
-    warmup = max(1, steps // 20)
-    scheduler = lm.schedule(optimizer, steps, warmup)
-    order = torch.Generator().manual_seed(settings["seed"])
-    context, batch = LM_MODEL["context"], LM_BATCH
-
-    def evaluate() -> float:
-        return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, batch)
-
-    curve, step_seconds, adam_bytes = [(0, evaluate())], [], []
-    for step in range(steps):
-        starts = torch.randint(0, len(train_data) - context - 1, (batch,), generator=order)
-        began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        lm.loss_of(model, *lm.windows(train_data, starts[rank::world_size], context)).backward()
-        optimizer.step()
-        scheduler.step()
-        step_seconds.append(time.perf_counter() - began)
-        if adam:
-            adam_bytes.append(optimizer.last_bytes_sent)
-        if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
-            curve.append((step + 1, evaluate()))
-    shapes = [tuple(p.shape) for p in net.parameters()]
-    numel = sum(p.numel() for p in net.parameters())
-    dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
-    if state is not None:
-        sent = statistics.mean(s.bytes_sent for s in state.stats)
-    elif adam:
-        sent = statistics.mean(adam_bytes)
-    elif run["kind"] == "fp16_hook":
-        sent = dense_bytes / 2
-    elif one_bucket:
-        factors = scale.cost("powersgd", numel, world_size, shapes=shapes).bytes_sent
-        sent = (start * dense_bytes + (steps - start) * factors) / steps
-    else:
-        sent = dense_bytes
-    return dict(
-        run=run["label"],
-        kind=run["kind"],
-        compressor=run["name"] or "",
-        options=run["options"],
-        adam=run.get("adam"),
-        steps=steps,
-        parameters=numel,
-        bytes_per_step=sent,
-        ratio=dense_bytes / sent,
-        step_ms=1e3 * statistics.median(step_seconds),
-        validation_loss=curve[-1][1],
-        curve=curve,
-    )
-
-
-def lm_derive(records: list[dict]) -> None:
-    dense = next(r["validation_loss"] for r in records if r["kind"] == "dense")
-    powersgd = next((r for r in records if r["kind"] == "powersgd_hook" and not r.get("failed")), None)
-    for record in records:
-        loss = record["validation_loss"]
-        record["loss_vs_dense"] = (loss - dense) / dense if loss is not None else math.nan
-        plain = not record["options"] and record["kind"] != "adam"
-        bound = LM_TARGETS.get(record["compressor"]) if plain else None
-        record["target"] = "" if bound is None else lm_target(record["loss_vs_dense"], bound)
-        ours = record["kind"] in ("gradcomp", "adam") and not record.get("failed")
-        if ours and record["ratio"] >= FEW_BYTES and not record["target"]:
-            record["target"] = few_bytes_target(record, powersgd)
-
-
-def few_bytes_target(record: dict, powersgd: dict | None) -> str:
-    """The target of a run sending >= FEW_BYTES times fewer bytes: within the
-    bound of dense, and (when it ran) better than torch's PowerSGD on loss and bytes."""
-    verdict = lm_target(record["loss_vs_dense"], FEW_BYTES_BOUND)
-    verdict = verdict.replace("within", f"{FEW_BYTES:g}x+, within")
-    if powersgd is None or not verdict.startswith("met"):
-        return verdict
-    loss, bytes_sent, theirs = (
-        record["validation_loss"],
-        record["bytes_per_step"],
-        powersgd["validation_loss"],
-    )
-    if (loss < theirs or not math.isfinite(theirs)) and bytes_sent < powersgd["bytes_per_step"]:
-        return verdict + "; beats torch PowerSGD"
-    return "missed: not below torch PowerSGD in both loss and bytes"
-
-
-def lm_target(difference: float, bound: float) -> str:
-    if not math.isfinite(difference):
-        return f"missed (within {100 * bound:g}%): no finite loss"
-    if difference <= bound:
-        return f"met (within {100 * bound:g}%)"
-    return f"missed (within {100 * bound:g}%): {100 * difference:+.1f}%"
-
-
-def lm_report(records: list[dict]) -> str:
-    header = ["run", "bytes/step", "ratio", "step ms", "validation loss", "vs dense", "target"]
-    rows = [
-        [r["run"], f"{r['bytes_per_step']:,.0f}", f"{r['ratio']:.1f}", f"{r['step_ms']:.0f}"]
-        + [f"{r['validation_loss']:.4f}", f"{100 * r['loss_vs_dense']:+.2f}%", r["target"]]
-        if not r.get("failed")
-        else [r["run"], "", "", "", "", "", f"failed: {r['failed']}"]
-        for r in records
-    ]
-    return common.format_table(header, rows, left=(0, -1))
-
-
-def lm_plot(records: list[dict], title: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(9, 5.5))
-    for record in records:
-        if record.get("failed"):
-            continue
-        steps, losses = zip(*record["curve"], strict=True)
-        style = dict(color="black", linewidth=2.5) if record["kind"] == "dense" else {}
-        if record["kind"].endswith("hook"):
-            style["linestyle"] = "--"
-        elif record["kind"] == "adam":
-            style["linestyle"] = ":"
-        axis.plot(steps, losses, label=f"{record['run']} ({record['ratio']:.1f}x)", **style)
-    axis.set_xlabel("step")
-    axis.set_ylabel("validation cross-entropy (nats per byte)")
-    axis.set_ylim(top=min(3.5, axis.get_ylim()[1]))
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def lm_describe(settings: dict, corpus: dict, parameters: int) -> str:
-    dense = f", compressed runs dense for their first {settings['dense_steps']} steps" * bool(
-        settings["dense_steps"]
-    )
-    model = LM_MODEL
-    return (
-        f"byte-level GPT ({model['layers']} layers, width {model['width']}, {model['heads']} heads, "
-        f"context {model['context']}, {parameters:,} parameters), {corpus['bytes']:,} bytes of the Python "
-        f"standard library ({corpus['validation_bytes']:,} held out), {settings['steps']} steps of "
-        f"{LM_BATCH} windows, AdamW lr {settings['lr']} (warm-up {max(1, settings['steps'] // 20)} steps, "
-        f"cosine to a tenth) weight decay 0.1, seed {settings['seed']}{dense}"
-    )
-
-
-def main_lm(args: argparse.Namespace) -> int:
-    try:
-        runs = lm_runs(args.compressors, args.baselines, args.adam, args.steps)
-    except argparse.ArgumentTypeError as error:
-        parser().error(str(error))
-    if args.steps < 1 or args.spawn < 2 or LM_BATCH % args.spawn:
-        parser().error(f"need --steps >= 1 and --spawn >= 2 dividing the batch of {LM_BATCH}")
-    if not 0 <= args.dense_steps < args.steps:
-        parser().error("need 0 <= --dense-steps < --steps")
-    settings = vars(args)
-    results = common.Results("convergence-lm", common.machine(args.spawn, "gloo"), settings, args.out)
-    print(f"machine: {results.machine['machine']}", flush=True)
-    _, _, corpus = lm.load_corpus(args.corpus_bytes)
-    progress = common.Progress(len(runs), args.progress)
-    records = []
-    for done, run in enumerate(runs):
-        progress.update(done, run["label"])
-        # A second a step a rank, never less than ten minutes.
-        timeout = max(600.0, args.steps * args.spawn)
-        try:
-            records.append(common.spawn(lm_rank, args.spawn, run, settings, timeout=timeout))
-        except common.RanksFailed as error:
-            sys.stderr.write(f"{run['label']} failed: {error.reason}\n")
-            records.append(
-                dict(
-                    run=run["label"],
-                    kind=run["kind"],
-                    compressor=run["name"] or "",
-                    options=run["options"],
-                    failed=error.reason,
-                    curve=[],
-                    validation_loss=None,
-                )
-            )
-    progress.close()
-    lm_derive(records)
-    parameters = next((r["parameters"] for r in records if "parameters" in r), 0)
-    print(lm_describe(settings, corpus, parameters))
-    print(lm_report(records))
-    write(results, records, lm_plot, "convergence, lm", extra=dict(corpus=corpus, model=LM_MODEL))
-    return 0
-
-
-def lm_rank(rank: int, world_size: int, run: dict, settings: dict) -> dict:
-    record = lm_train(rank, world_size, run, settings)
-    dist.barrier()
-    return record
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ import tempfile
 import time
 import traceback
 
-import common
 import torch
 import torch.distributed as dist
+from lib.machine import cpu_model
+from lib.results import RESULTS
 
 import gradcomp
 from gradcomp.spawn import free_port
@@ -46,9 +47,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the section's logic on CPU tensors with Gloo and tiny sizes (no GPU needed)",
     )
-    parser.add_argument(
-        "--out", default=common.RESULTS, help=f"folder of {REPORT} (default {common.RESULTS})"
-    )
+    parser.add_argument("--out", default=RESULTS, help=f"folder of {REPORT} (default {RESULTS})")
 
 
 def device_for(dry_run: bool) -> torch.device:
@@ -64,7 +63,7 @@ def machine_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's with its core count: every result names its machine."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{os.cpu_count()} CPUs ({common.cpu_model()})"
+    return f"{os.cpu_count()} CPUs ({cpu_model()})"
 
 
 def synchronize(device: torch.device) -> None:

@@ -67,14 +67,21 @@ import sys
 import threading
 import time
 
-import common
 import torch
 import torch.distributed as dist
-from ddp_train import bucket_numels
+from lib import spawning
+from lib.ddp_training import bucket_numels
+from lib.machine import ROOT, machine
+from lib.options import add_common_options
+from lib.plots import figure
+from lib.progress import Progress
+from lib.results import Results, publish, ratio
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
 from gradcomp.collectives import queue_for
+from gradcomp.spawn import RanksFailed
+from gradcomp.tables import format_cell, format_table
 
 CONFIGS = ("ddp", "int8", "topk")
 LABELS = {"ddp": "DDP all-reduce (no hook)", "int8": "gradcomp int8", "topk": "gradcomp topk 1%"}
@@ -92,7 +99,17 @@ THREADS = ("main", "worker")
 # The profile's clock: the profiled thread's CPU time (what the host spends; a thread
 # waiting or preempted by the other rank's costs nothing) or wall time (where it waits).
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The integer options: (option, default, what it counts).
+COUNTS = (
+    ("--buckets", 64, "DDP buckets of the model"),
+    ("--bucket-numel", 1024, "fp32 elements of each bucket"),
+    ("--steps", 30, "timed steps of each configuration a round"),
+    ("--rounds", 5, "rounds, the configurations in turn"),
+    ("--warmup-steps", 5, "untimed steps of each configuration first (at least 3: DDP's logging data "
+     "holds its rebuilt buckets from the third step)"),
+    ("--profile-steps", 5, "steps of each configuration profiled on rank 0 after the timing (0: none)"),
+    ("--top", 25, "functions listed per thread and order"),
+)  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,34 +117,16 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Ranks are spawned Gloo processes on 127.0.0.1 (each with its share of the cores).",
     )
-    top.add_argument("--buckets", type=int, default=64, help="DDP buckets of the model (default 64)")
-    top.add_argument(
-        "--bucket-numel", type=int, default=1024, help="fp32 elements of each bucket (default 1024)"
-    )
-    top.add_argument("--steps", type=int, default=30, help="timed steps of each configuration a round (30)")
-    top.add_argument("--rounds", type=int, default=5, help="rounds, the configurations in turn (default 5)")
-    top.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=5,
-        help="untimed steps of each configuration first (default 5, min 3: DDP's logging data "
-        "holds its rebuilt buckets from the third step)",
-    )
-    top.add_argument(
-        "--profile-steps",
-        type=int,
-        default=5,
-        help="steps of each configuration profiled on rank 0 after the timing (default 5; 0: none)",
-    )
+    for option, default, meaning in COUNTS:
+        top.add_argument(option, type=int, default=default, help=f"{meaning} (default {default})")
     top.add_argument(
         "--profile-clock",
         choices=tuple(CLOCKS),
         default="cpu",
         help="the profile's clock: each thread's CPU time (default) or wall time",
     )
-    top.add_argument("--top", type=int, default=25, help="functions listed per thread and order (25)")
     top.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    common.add_common_options(top)
+    add_common_options(top)
     return top
 
 
@@ -213,7 +212,7 @@ def ranks(rank: int, world_size: int, settings: dict) -> dict:
     configs = [Configuration(name, rank, settings) for name in CONFIGS]
     steps, rounds = settings["steps"], settings["rounds"]
     total = len(configs) * (settings["warmup_steps"] + rounds * steps + settings["profile_steps"])
-    progress = common.Progress(total, settings["progress"] if rank == 0 else False)
+    progress = Progress(total, settings["progress"] if rank == 0 else False)
     done = 0
     for config in configs:
         for _ in range(settings["warmup_steps"]):
@@ -376,7 +375,7 @@ def derive(records: list[dict], profile: dict | None) -> None:
     ddp = next(r for r in records if r["config"] == "ddp")
     for r in records:
         buckets = r["buckets"]
-        r["x_ddp"] = common.ratio(r["step_ms"], ddp["step_ms"])
+        r["x_ddp"] = ratio(r["step_ms"], ddp["step_ms"])
         r["step_us_per_bucket"] = 1e3 * r["step_ms"] / buckets
         r["extra_us_per_bucket"] = 1e3 * (r["step_ms"] - ddp["step_ms"]) / buckets
         r["extra_us_per_bucket_rounds"] = [
@@ -418,7 +417,7 @@ def format_report(records: list[dict]) -> str:
             ]
         )
     groups = [("", 6), ("CPU time", 2), ("CPU us/bucket by thread", 3)]
-    return common.format_table(header, rows, groups)
+    return format_table(header, rows, groups)
 
 
 def format_profile_totals(records: list[dict], clock: str) -> str:
@@ -426,16 +425,16 @@ def format_profile_totals(records: list[dict], clock: str) -> str:
     rows = [
         [
             r["run"],
-            common.fmt(r["hook_us_per_call"], ".0f"),
+            format_cell(r["hook_us_per_call"], ".0f"),
             *(
-                common.fmt(r[f"profile_{thread}_{kind}_us_per_bucket"], ".0f")
+                format_cell(r[f"profile_{thread}_{kind}_us_per_bucket"], ".0f")
                 for thread in THREADS
                 for kind in ("busy", "waiting")
             ),
         ]
         for r in records
     ]
-    return common.format_table(header, rows, [("", 2), (f"profiled us per bucket ({clock} clock)", 4)])
+    return format_table(header, rows, [("", 2), (f"profiled us per bucket ({clock} clock)", 4)])
 
 
 def format_functions(rows: list[dict], order: str) -> str:
@@ -449,7 +448,7 @@ def format_functions(rows: list[dict], order: str) -> str:
         ]
         for r in rows
     ]
-    return f"by {order} time:\n" + common.format_table(header, cells)
+    return f"by {order} time:\n" + format_table(header, cells)
 
 
 def describe(settings: dict) -> str:
@@ -487,24 +486,16 @@ def report(records: list[dict], profile: dict | None, settings: dict) -> str:
 
 def plot(records: list[dict], title: str, path: str) -> None:
     """Host microseconds per bucket of each run, with the goal above DDP's own."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    labels = [r["run"] for r in records]
-    axis.bar(labels, [r["step_us_per_bucket"] for r in records], color=["#777777", "#d9534f", "#5b8bd9"])
-    for x, r in enumerate(records):
-        axis.text(x, r["step_us_per_bucket"], f"{r['step_us_per_bucket']:.0f} us", ha="center", va="bottom")
-    goal = records[0]["step_us_per_bucket"] + GOAL_US
-    axis.axhline(goal, color="black", linestyle="--", linewidth=1, label=f"goal: DDP + {GOAL_US:.0f} us")
-    axis.set_ylabel("step time per bucket (us), median of the slowest rank")
-    axis.legend(fontsize=8)
-    axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, figsize=(7, 4.5)) as (_, axis):
+        labels = [r["run"] for r in records]
+        per_bucket = [r["step_us_per_bucket"] for r in records]
+        axis.bar(labels, per_bucket, color=["#777777", "#d9534f", "#5b8bd9"])
+        for x, value in enumerate(per_bucket):
+            axis.text(x, value, f"{value:.0f} us", ha="center", va="bottom")
+        goal = per_bucket[0] + GOAL_US
+        axis.axhline(goal, color="black", linestyle="--", linewidth=1, label=f"goal: DDP + {GOAL_US:.0f} us")
+        axis.set_ylabel("step time per bucket (us), median of the slowest rank")
+        axis.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,21 +506,17 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("need --profile-steps >= 0, --top >= 1 and --spawn >= 2")
     settings = vars(args)
     date = datetime.date.today().isoformat()
-    results = common.Results("host_cost", common.machine(args.spawn, "gloo"), settings, args.out, f"-{date}")
+    results = Results("host_cost", machine(args.spawn, "gloo"), settings, args.out, f"-{date}")
     print(f"machine: {results.machine['machine']}, gradcomp {results.machine['revision']}", flush=True)
     try:
-        outcome = common.spawn(ranks, args.spawn, settings)
-    except common.RanksFailed as error:
+        outcome = spawning.spawn(ranks, args.spawn, settings)
+    except RanksFailed as error:
         sys.stderr.write(f"host_cost failed: {error}\n")
         return 1
     records, profile = outcome["records"], outcome["profile"]
     derive(records, profile)
     print(report(records, profile, settings))
-    paths = results.write(records, extra=dict(profile=profile, waits=list(WAITS)))
-    png = results.path("png")
-    plot(records, f"host_cost: {results.machine['machine']}", png)
-    print(f"wrote {', '.join([*paths, png])}")
-    print(f"load average (1/5/15 min): {results.load_start} at start, {common.loadavg()} at end")
+    publish(results, records, plot, extra=dict(profile=profile, waits=list(WAITS)))
     return 0
 
 

@@ -37,12 +37,17 @@ import statistics
 import time
 from collections.abc import Iterator
 
-import common
 import torch
+from lib.machine import machine
+from lib.options import add_output_options
+from lib.progress import Progress
+from lib.results import Results
 
 import gradcomp
 from gradcomp import ops
 from gradcomp.ops import checks, reference
+from gradcomp.tables import format_table
+from gradcomp.units import parse_size, split_list
 
 GPU_SIZES = "1M,4M,16M,64M,256M"
 CPU_SIZES = "1M,4M"
@@ -301,15 +306,13 @@ def run(args) -> Iterator[list[dict]]:
     """The records of each size, then of each Top-K size, as each is measured."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
-    sizes = [
-        common.parse_size(s) for s in common.split_list([args.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)])
-    ]
-    wanted = [op for op in common.split_list([args.ops]) if op != "copy"] if args.ops else None
+    sizes = [parse_size(s) for s in split_list([args.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)])]
+    wanted = [op for op in split_list([args.ops]) if op != "copy"] if args.ops else None
     backends = backends_for(device)
     topk = (TOPK_SIZES if on_gpu else CPU_TOPK_SIZES) if args.topk_sizes is None else args.topk_sizes
-    topk_sizes = [common.parse_size(s) for s in common.split_list([topk])]
-    ratios = [float(r) for r in common.split_list([args.topk_ratios])]
-    progress = common.Progress(total=len(sizes) + len(topk_sizes), enabled=args.progress)
+    topk_sizes = [parse_size(s) for s in split_list([topk])]
+    ratios = [float(r) for r in split_list([args.topk_ratios])]
+    progress = Progress(total=len(sizes) + len(topk_sizes), enabled=args.progress)
     for position, n in enumerate(sizes):
         progress.update(position, f"{elements(n)} elements")
         yield measure_size(n, device, backends, wanted, args)
@@ -379,15 +382,7 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument("--warmup", type=int, default=3)
     result.add_argument("--iters", type=int, default=10)
-    result.add_argument(
-        "--out", default=common.RESULTS, help=f"folder for CSV/JSON (default {common.RESULTS})"
-    )
-    result.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rewrite a progress line on stderr (default: when stderr is a terminal)",
-    )
+    add_output_options(result)
     return result
 
 
@@ -408,7 +403,7 @@ def print_tables(records: list[dict]) -> None:
         if "gb_per_s" in r
     ]
     if rows:
-        print(common.format_table(header, rows), flush=True)
+        print(format_table(header, rows), flush=True)
     topk = [r for r in records if "speedup_vs_torch_topk" in r]
     if topk:
         print("# Top-K alone: the backend's exact select vs torch.topk(x.abs(), k), fp32, no residual")
@@ -426,12 +421,12 @@ def print_tables(records: list[dict]) -> None:
             ]
             for r in topk
         ]
-        print(common.format_table(header, rows), flush=True)
+        print(format_table(header, rows), flush=True)
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    results = common.Results("kernels", common.machine(1, "single-process"), vars(args), directory=args.out)
+    results = Results("kernels", machine(1, "single-process"), vars(args), directory=args.out)
     print(f"# machine: {results.machine['machine']}", flush=True)
     records: list[dict] = []
     paths: list[str] = []

@@ -15,11 +15,16 @@ import sys
 import pytest
 
 import gradcomp
+from gradcomp import tables, units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
-common = importlib.import_module("common")
+cluster = importlib.import_module("lib.cluster")
+link = importlib.import_module("lib.link")
+machine = importlib.import_module("lib.machine")
+spawning = importlib.import_module("lib.spawning")
+specs = importlib.import_module("lib.specs")
 
 MACHINE_COLUMNS = {"machine", "cpus", "cpu_model", "gpu", "torch", "world_size", "backend", "link"}
 LOAD_COLUMNS = {"load_start", "load_end"}
@@ -54,37 +59,42 @@ def read_results(directory, stem: str) -> tuple[list[dict], dict]:
 
 
 def stem(benchmark: str, world_size: int = 2) -> str:
-    return f"{benchmark}-{common.machine_kind()}-w{world_size}"
+    return f"{benchmark}-{machine.machine_kind()}-w{world_size}"
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
 def test_sizes_rates_and_lists_parse():
-    assert common.parse_size("64KiB") == 65536
-    assert common.parse_size("1M") == 2**20
-    assert common.parse_size("4096") == 4096
-    assert common.format_size(65536) == "64K"
-    assert common.format_size(1.5 * 2**20) == "1.5M"
-    assert common.parse_rate("1gbit") == 1e9
-    assert common.parse_rate("100mbit") == 1e8
-    assert common.split_list(["int8,fp16", "topk:ratio=0.1,exact=true"]) == [
+    assert units.parse_size("64KiB") == 65536
+    assert units.parse_size("1M") == 2**20
+    assert units.parse_size("4096") == 4096
+    assert units.format_size(65536) == "64K"
+    assert units.format_size(1.5 * 2**20) == "1.5M"
+    assert units.parse_rate("1gbit") == 1e9
+    assert units.parse_rate("100mbit") == 1e8
+    assert units.split_list(["int8,fp16", "topk:ratio=0.1,exact=true"]) == [
         "int8",
         "fp16",
         "topk:ratio=0.1,exact=true",
     ]
-    assert common.parse_compressor("topk:ratio=0.1,exact=true") == (
+    assert specs.parse_run("topk:ratio=0.1,exact=true") == (
         "topk:ratio=0.1,exact=true",
         "topk",
         {"ratio": 0.1, "exact": True},
     )
-    assert common.parse_compressor("auto:allow=int8|topk@0.01") == (
+    assert specs.parse_run("auto:allow=int8|topk@0.01") == (
         "auto:allow=int8|topk@0.01",
         "auto",
         {"allow": ("int8", "topk@0.01")},
     )
-    assert common.parse_compressor("auto") == ("auto", "auto", {})
-    assert common.parse_compressor("int8:algorithm=hierarchical,inter_algorithm=allgather")[2] == {
+    assert specs.parse_run("auto") == ("auto", "auto", {})
+    # The compressor as gradcomp.planner.candidate reads it, name@value included.
+    assert specs.parse_run("topk@0.1:algorithm=two_phase")[1:] == (
+        "topk",
+        {"ratio": 0.1, "algorithm": "two_phase"},
+    )
+    assert specs.parse_run("int8:algorithm=hierarchical,inter_algorithm=allgather")[2] == {
         "algorithm": "hierarchical",
         "inter_algorithm": "allgather",
     }
@@ -99,14 +109,14 @@ def test_sizes_rates_and_lists_parse():
         "topk:algorithm=hierarchical,inter_algorithm=dense",  # Top-K's payloads cannot be summed
     ):
         with pytest.raises(Exception, match="."):
-            common.parse_compressor(bad)
-    with pytest.raises(Exception, match="rate"):
-        common.parse_rate("1gbps")
+            specs.parse_run(bad)
+    with pytest.raises(ValueError, match="rate"):
+        units.parse_rate("1gbps")
 
 
 def test_table_aligns_and_groups():
     rows = [["x", "1", "left"], ["yy", "22", "l"]]
-    table = common.format_table(["a", "b", "note"], rows, [("", 1), ("G", 2)], left=(0, -1))
+    table = tables.format_table(["a", "b", "note"], rows, [("", 1), ("G", 2)], left=(0, -1))
     lines = table.splitlines()
     assert lines[0].strip() == "G"
     assert lines[3] == "x    1  left"
@@ -137,14 +147,14 @@ def test_every_script_has_help():
 
 def test_bandwidth_without_root_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert common.run_limited("1gbit") == 2
+    assert link.run_limited("1gbit", 2) == 2
     assert "needs root" in capsys.readouterr().err
 
 
 def test_emulated_cluster_without_root_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit) as ended:
-        common.EmulatedCluster(2, 2, "1gbit").__enter__()
+        cluster.EmulatedCluster(2, 2, "1gbit").__enter__()
     assert ended.value.code == 2 and "needs root" in capsys.readouterr().err
 
 
@@ -165,8 +175,9 @@ def _abort_on_rank_one(rank, world_size):
 
 @pytest.mark.slow
 def test_spawn_reports_a_native_abort():
-    with pytest.raises(common.RanksFailed, match="SIGABRT"):
-        common.spawn(_abort_on_rank_one, 2, timeout=60)
+    with pytest.raises(gradcomp.spawn.RanksFailed, match="SIGABRT") as failed:
+        spawning.spawn(_abort_on_rank_one, 2, timeout=60)
+    assert "SIGABRT" in spawning.reason(failed.value)
 
 
 # ----------------------------------------------------------------------------- scripts
@@ -228,7 +239,7 @@ def test_ddp_train_smoke(tmp_path):
 
 
 def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_each_in_rotation(monkeypatch):
-    ddp_train = importlib.import_module("ddp_train")
+    schedule = importlib.import_module("lib.ddp_schedule")
     order = []
 
     class Fake:
@@ -249,10 +260,10 @@ def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_eac
             assert self.done == self.steps
             return self.label
 
-    monkeypatch.setattr(ddp_train, "Training", Fake)
+    monkeypatch.setattr(schedule, "Training", Fake)
     runs = [dict(label=label, position=i) for i, label in enumerate(("dense", "int8", "auto"), 1)]
     settings = dict(steps=5, warmup_steps=2, total_runs=3)
-    assert ddp_train.train_interleaved(0, 2, runs, settings) == ["dense", "int8", "auto"]
+    assert schedule.train_interleaved(0, 2, runs, settings) == ["dense", "int8", "auto"]
     untimed = [("dense", 0), ("dense", 1), ("int8", 0), ("int8", 1), *[("auto", s) for s in range(4)]]
     timed = [("dense", 2), ("int8", 2), ("auto", 4), ("int8", 3), ("auto", 5), ("dense", 3)]
     timed += [("auto", 6), ("dense", 4), ("int8", 4)]
@@ -370,8 +381,8 @@ def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path)
         "CompressedAdam sign:warmup=2,algorithm=allgather",
         "CompressedAdam int4:warmup=3,gradient=int8:block=128,exact=embeddings,block=512",
     ]
-    convergence = importlib.import_module("convergence")
-    net = importlib.import_module("lm").GPT(**convergence.LM_MODEL, seed=0)
+    convergence = importlib.import_module("lib.convergence_lm")
+    net = importlib.import_module("lib.lm").GPT(**convergence.LM_MODEL, seed=0)
     numel = sum(p.numel() for p in net.parameters())
     cost = gradcomp.collectives.scale.cost
     # Rank 0's bytes: two dense steps, then three of sign gathered; one bucket.
@@ -430,19 +441,21 @@ def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
         "--compressors",
         "--baselines",
         "--bandwidth",
-        "100mbit",
+        "50mbit",
         "--link-check-bytes",
         "1MiB",
         "--out",
         str(tmp_path),
     ]
     result = run_script("ddp_train.py", *args)
-    assert "limited to 100mbit" in result.stderr
+    # Each rank's link: the loopback carries both ranks' sends, limited to twice the rate.
+    assert "loopback limited to 100000000bit, 50mbit for each of 2 ranks" in result.stderr
     assert _namespaces() == before
-    rows, document = read_results(tmp_path, stem("ddp_train") + "-100mbit")
-    assert "100mbit" in rows[0]["link"] and "100mbit" in rows[0]["machine"]
+    rows, document = read_results(tmp_path, stem("ddp_train") + "-50mbit")
+    assert "50mbit a rank" in rows[0]["link"] and "50mbit a rank" in rows[0]["machine"]
     check = document["link_check"]
     # 2 ranks x 1 MiB cross the loopback: 168 ms at 100 Mbit/s; unlimited it takes about 1 ms.
+    assert check["expected_seconds"] == pytest.approx(2 * 2**20 * 8 / 100e6)
     assert check["seconds"] > 0.5 * check["expected_seconds"] > 0.05
 
 
@@ -450,16 +463,16 @@ def test_bandwidth_limit_applies_and_the_namespace_is_removed(tmp_path):
 @needs_namespaces
 def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
     before = _namespaces()
-    args = [*TINY_MODEL, "--compressors", "int8", "auto", "--baselines", "--bandwidth", "100mbit,none"]
+    args = [*TINY_MODEL, "--compressors", "int8", "auto", "--baselines", "--bandwidth", "50mbit,none"]
     args += ["--link-check-bytes", "256KiB", "--out", str(tmp_path)]
     result = run_script("ddp_train.py", *args, timeout=400)
     assert _namespaces() == before
     # Each link's own results, then the sweep's.
-    _, limited = read_results(tmp_path, stem("ddp_train") + "-100mbit")
+    _, limited = read_results(tmp_path, stem("ddp_train") + "-50mbit")
     read_results(tmp_path, stem("ddp_train"))
     rows, document = read_results(tmp_path, stem("ddp_train") + "-sweep")
     assert [(r["link"], r["run"]) for r in rows] == [
-        (link, run) for link in ("100mbit", "none") for run in ("dense", "int8", "auto")
+        (link, run) for link in ("50mbit", "none") for run in ("dense", "int8", "auto")
     ]
     for row in rows:
         assert float(row["step_ms"]) > 0
@@ -480,9 +493,9 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
     int8 = sum(planner.predict("int8", n, 2, probed).seconds for n in buckets)
     assert buckets and sum(buckets) == 32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     predicted = {(r["link"], r["run"]): float(r["predicted_comm_ms"]) for r in rows}
-    assert predicted["100mbit", "dense"] == pytest.approx(1e3 * expected)
-    assert predicted["100mbit", "int8"] == pytest.approx(1e3 * int8)
-    assert "100mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
+    assert predicted["50mbit", "dense"] == pytest.approx(1e3 * expected)
+    assert predicted["50mbit", "int8"] == pytest.approx(1e3 * int8)
+    assert "50mbit: auto: " in result.stdout and "target on the unlimited link" in result.stdout
     assert "cost model (a probe in the run): " in result.stdout and " of 4 static runs" in result.stdout
     assert "probe (after the first round's runs): all_reduce " in result.stdout
     assert "the transport's CPU ms a MB sent: all_reduce " in result.stdout
@@ -496,17 +509,19 @@ def test_a_sweep_of_links_runs_auto_beside_the_static_choices_at_each(tmp_path):
 
 
 def test_the_ranks_get_time_for_every_dense_step_on_a_slow_link():
-    ddp_train = importlib.import_module("ddp_train")
+    schedule = importlib.import_module("lib.ddp_schedule")
     settings = dict(features=2048, width=4096, spawn=2, steps=12)
-    assert ddp_train.ranks_deadline(settings, 7, None) == 600.0
-    # 25.2M parameters: 2 ranks send 202 MB a dense step through 100 Mbit/s, 16 s.
-    slow = ddp_train.ranks_deadline(settings, 7, {"bits_per_second": 100e6})
+    assert schedule.ranks_deadline(settings, 7, None) == 600.0
+    # 25.2M parameters: 2 ranks send 202 MB a dense step through a loopback of 100 Mbit/s
+    # (50 Mbit/s a rank), 16 s.
+    slow = schedule.ranks_deadline(settings, 7, link.link_settings("50mbit", 2))
     assert slow == pytest.approx(600 + 7 * 12 * 2 * 4 * 25_214_986 * 8 / 100e6)
     assert 1900 < slow < 2000
 
 
 def test_sweep_rows_judge_auto_against_the_best_static_candidate():
-    ddp_train = importlib.import_module("ddp_train")
+    sweep = importlib.import_module("lib.ddp_sweep")
+    report = importlib.import_module("lib.ddp_report")
 
     def record(run, kind, name, step_ms, options=None, note=""):
         return dict(
@@ -534,13 +549,13 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
         record("auto:allow=int8|topk", "gradcomp", "auto", 610, {"allow": ["int8", "topk"]}, "auto: none"),
         record("topk", "gradcomp", "topk", 700),
     ]
-    rows = ddp_train.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})])
+    rows = sweep.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})])
     autos = [r for r in rows if "x_best_static" in r]
     assert [(r["link"], r["best_static"]) for r in autos] == [("1gbit", "int8"), ("none", "dense")]
     assert autos[0]["x_best_static"] == pytest.approx(990 / 950)
     assert autos[1]["x_dense"] == pytest.approx(610 / 600)
     assert [r["candidate"] for r in rows if r["link"] == "1gbit"] == [True, True, False, False]
-    text = ddp_train.format_sweep(rows)
+    text = sweep.format_sweep(rows)
     judged = "1gbit: auto: int4 allgather x2; 990 ms = "
     judged += "1.04x the best static choice (int8; target <= 1.05x: met)"
     assert judged in text
@@ -548,22 +563,20 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     # auto's prediction is its own plan's (a labelled auto run too); a failed run is passed over.
     slow[-1]["planned_comm_ms"], fast[2]["planned_comm_ms"] = 800.0, 1000.0
     failed = dict(run="torch PowerSGD r4", kind="powersgd", failed="process 0 terminated", note="")
-    ddp_train.add_predictions([*slow, failed], 2)
-    ddp_train.add_predictions(fast, 2)
+    report.add_predictions([*slow, failed], 2)
+    report.add_predictions(fast, 2)
     assert slow[-1]["model_error"] == pytest.approx(800 / 890 - 1) and fast[2]["predicted_comm_ms"] == 1000.0
-    text = ddp_train.format_sweep(
-        ddp_train.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})])
-    )
+    text = sweep.format_sweep(sweep.sweep_rows([("1gbit", {"records": slow}), ("none", {"records": fast})]))
     assert "cost model (its own measurements): 1 of 2 auto runs predicted within 25%" in text
     assert "cost model (the stored profile): " in text and " of 6 static runs" in text
     assert "no communication observed" not in text
     # A step no faster than compute-only leaves nothing to compare with: counted, not within.
     idle = [record("dense", "dense", "", 95), record("auto", "gradcomp", "auto", 99)]
     idle[-1]["planned_comm_ms"] = 0.5
-    ddp_train.add_predictions(idle, 2)
+    report.add_predictions(idle, 2)
     assert math.isnan(idle[-1]["model_error"]) and idle[-1]["predicted_comm_ms"] == 0.5
-    text = ddp_train.format_sweep(
-        ddp_train.sweep_rows(
+    text = sweep.format_sweep(
+        sweep.sweep_rows(
             [("1gbit", {"records": slow}), ("none", {"records": fast}), ("x", {"records": idle})]
         )
     )
@@ -575,16 +588,16 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     from gradcomp import planner
 
     probed = planner.Profile.load().with_link(1e6)  # 1 MB/s a rank: slower than any stored link
-    ddp_train.add_predictions(slow, 2, probed.to_json())
+    report.add_predictions(slow, 2, probed.to_json())
     dense = 1e3 * planner.predict("none", 2**20, 2, probed).seconds
     assert slow[1]["predicted_comm_ms"] == pytest.approx(dense) and dense > 1e3 * 4 * 2**20 / 1e6
     assert slow[2]["predicted_from"] == "a probe in the run" and "model_error" in slow[2]
-    text = ddp_train.format_sweep(ddp_train.sweep_rows([("1gbit", {"records": slow})]))
+    text = sweep.format_sweep(sweep.sweep_rows([("1gbit", {"records": slow})]))
     assert "cost model (a probe in the run): 0 of 3 static runs" in text
 
 
 def test_lm_targets_judge_runs_of_few_bytes_against_dense_and_torch_powersgd():
-    convergence = importlib.import_module("convergence")
+    convergence = importlib.import_module("lib.convergence_lm")
 
     def run(kind, loss, ratio, compressor="", options=None):
         return dict(
