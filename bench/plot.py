@@ -1,0 +1,57 @@
+"""Draw a result's PNG again from its JSON, as the script that measured it drew it.
+
+Every script keeps its records in the JSON it writes (``bench/results/``); the
+PNG beside it is drawn from them, so only the JSON is kept in the repository
+and this script draws the PNG again: ``X.png`` beside each ``X.json`` given.
+A JSON without a plot (``kernels``) is named and passed over.
+
+Examples:
+    python bench/plot.py bench/results/ddp_train-cpu2-w2-sweep-q.json
+    python bench/plot.py bench/results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import allreduce
+import convergence
+import host_cost
+from lib import convergence_lm, ddp_report, ddp_sweep
+from lib.results import with_curves
+
+
+def drawer(document: dict) -> Callable[[list[dict], str, str], None] | None:
+    """The plot of the script that wrote ``document`` (None: it draws none)."""
+    benchmark = document["benchmark"]
+    if benchmark == "ddp_train":
+        return ddp_sweep.plot_sweep if "rates" in document["settings"] else ddp_report.plot
+    if benchmark.startswith("convergence"):
+        draw = convergence_lm.lm_plot if benchmark == "convergence-lm" else convergence.plot
+        return lambda records, title, path: draw(with_curves(records, document["curves"]), title, path)
+    return {"allreduce": allreduce.plot, "host_cost": host_cost.plot}.get(benchmark)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", metavar="JSON", help="results the bench scripts wrote")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        with open(path) as file:
+            document = json.load(file)
+        draw = drawer(document)
+        if draw is None:
+            print(f"{path}: {document['benchmark']} draws no plot")
+            continue
+        title = document.get("title") or f"{document['benchmark']}: {document['machine']['machine']}"
+        png = path.removesuffix(".json") + ".png"
+        draw(document["records"], title, png)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
