@@ -55,7 +55,7 @@ LM_TARGETS = {"int8": 0.01, "int4": 0.02, "powersgd": 0.03}
 # PowerSGD hook on both loss and bytes when that runs beside it.
 FEW_BYTES, FEW_BYTES_BOUND = 16.0, 0.03
 # Dense's best peak learning rate on this task, of 7.5e-4, 1e-3, 1.5e-3, 2e-3,
-# 2.5e-3 and 3e-3 (bench/results/convergence-lm-cpu2-w2-lr*.csv): every run uses it.
+# 2.5e-3 and 3e-3 (bench/reports/convergence-cpu2-2026.md): every run uses it.
 LM_LR = 2e-3
 # CompressedAdam's default run: sign updates after int4-averaged AdamW steps.
 LM_ADAM = ("sign:gradient=int4",)

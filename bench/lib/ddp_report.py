@@ -66,7 +66,7 @@ def add_predictions(records: list[dict], world_size: int, probed: dict | None = 
     hook measured in the run), where it planned. Each bucket's whole time: on CPUs the
     reductions compete with the backward pass for the cores, and crediting the overlap
     (``planner.exposed_seconds`` with auto's ``ready_offsets``) missed more
-    (bench/README.md)."""
+    (bench/reports/auto-sweeps-cpu2-2026.md, sweep G)."""
     for record in records:
         if record.get("name") == "auto" and not math.isnan(record.get("planned_comm_ms", math.nan)):
             record["predicted_comm_ms"] = record["planned_comm_ms"]
