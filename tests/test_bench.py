@@ -554,7 +554,7 @@ def test_sweep_rows_judge_auto_against_the_best_static_candidate():
     assert [(r["link"], r["best_static"]) for r in autos] == [("1gbit", "int8"), ("none", "dense")]
     assert autos[0]["x_best_static"] == pytest.approx(990 / 950)
     assert autos[1]["x_dense"] == pytest.approx(610 / 600)
-    assert [r["candidate"] for r in rows if r["link"] == "1gbit"] == [True, True, False, False]
+    assert [r["auto_candidate"] for r in rows if r["link"] == "1gbit"] == [True, True, False, False]
     text = sweep.format_sweep(rows)
     judged = "1gbit: auto: int4 allgather x2; 990 ms = "
     judged += "1.04x the best static choice (int8; target <= 1.05x: met)"

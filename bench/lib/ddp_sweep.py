@@ -70,8 +70,10 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
-    """A row per link and run: step and communication time, the model's prediction, and
-    for auto its picks against the best static choice among its candidates and dense."""
+    """A row per link and run: step and communication time, the model's prediction,
+    whether the run is one of auto's static candidates (``auto_candidate``) or auto's own
+    (``auto_run``), and for auto its picks against the best static choice among its
+    candidates and dense."""
     rows = []
     for rate, document in documents:
         records = [r for r in document["records"] if not r["failed"] and r["kind"] != "compute"]
@@ -91,8 +93,8 @@ def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
                 model_error=record.get("model_error", math.nan),
                 predicted_from=record.get("predicted_from", ""),
                 note=record["note"],
-                candidate=record in static,
-                auto=record is auto,
+                auto_candidate=record in static,
+                auto_run=record is auto,
             )
             if record is auto and best is not None and dense is not None:
                 row.update(
@@ -136,7 +138,7 @@ def format_sweep(rows: list[dict]) -> str:
         predicted = [
             r
             for r in rows
-            if not math.isnan(r["predicted_comm_ms"]) and r.get("auto", False) == (runs == "auto")
+            if not math.isnan(r["predicted_comm_ms"]) and r.get("auto_run", False) == (runs == "auto")
         ]
         sources = {r.get("predicted_from") or STORED for r in predicted}
         source = "its own measurements" if runs == "auto" else " and ".join(sorted(sources))
