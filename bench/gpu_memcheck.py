@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
+from lib import backends
 
 from gradcomp import ops
 
@@ -99,10 +100,7 @@ def cases(n: int, device: torch.device) -> Iterator[tuple[str, str, tuple, dict]
 
 def provides(backend: str, op: str, device: torch.device) -> bool:
     """Whether ``backend`` is installed, runs on ``device`` and has ``op``."""
-    from gradcomp.ops import _REGISTRY, _load_optional
-
-    _load_optional(backend)
-    return backend in _REGISTRY and _REGISTRY[backend][0](device) and op in _REGISTRY[backend][1]
+    return backends.runs_on(backend, device) and op in backends.functions(backend)
 
 
 def run(backend: str, device: torch.device) -> tuple[int, int]:

@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from lib import backends
 from lib.machine import machine
 from lib.options import add_output_options
 from lib.progress import Progress
@@ -154,20 +155,12 @@ def backends_for(device: torch.device) -> list[str]:
     if device.type == "cpu":
         names.append("cpu")
     if device.type == "cuda":
-        try:
-            ops.implementation("quantize_blockwise", device)  # loads optional backends
-        except RuntimeError:
-            return names
-        from gradcomp.ops import _REGISTRY
-
-        names += [name for name in ("triton", "cuda") if name in _REGISTRY and _REGISTRY[name][0](device)]
+        names += [name for name in ("triton", "cuda") if backends.runs_on(name, device)]
     return names
 
 
 def provides(backend: str, op: str) -> bool:
-    from gradcomp.ops import _REGISTRY
-
-    return op in _REGISTRY[backend][1]
+    return op in backends.functions(backend)
 
 
 def incomplete_arguments(op: str, args: tuple, kwargs: dict) -> list[str]:
@@ -183,9 +176,7 @@ def lookup(backend: str):
     """``op -> function`` of ``backend``, called directly (no checks in a timed loop).
     The first call of each op is checked for arguments the op boundary would have
     completed (``TypeError``): backends complete nothing."""
-    from gradcomp.ops import _REGISTRY
-
-    functions, checked = _REGISTRY[backend][1], set()
+    functions, checked = backends.functions(backend), set()
 
     def find(op: str):
         function = functions[op]
