@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One torch thread, as each spawned rank has (gradcomp.spawn): the tests' tensors are
+# small, and on a machine that other processes keep busy, OpenMP's threads wait for
+# cores at every op; the tests' results do not depend on the number of threads.
+torch.set_num_threads(1)
+
 
 @pytest.fixture
 def misjudge_threshold(monkeypatch):
