@@ -82,7 +82,8 @@ def _warm_up_is_adamw(rank: int, world_size: int) -> None:
     assert never.last_bytes_sent == later.last_bytes_sent == dense
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_without_compression_it_is_adamw_bit_for_bit(world_size):
     run_ranks(_warm_up_is_adamw, world_size)
 
@@ -121,6 +122,7 @@ def _frozen_phase_is_frozen_adam(rank: int, world_size: int) -> None:
         torch.testing.assert_close(optimizer.state[p]["exp_avg_sq"], vi, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_lossless_momentum_exchange_is_adam_with_a_frozen_second_moment():
     run_ranks(_frozen_phase_is_frozen_adam, 2)
 
@@ -181,6 +183,7 @@ def _conservation(rank: int, world_size: int) -> None:
             torch.testing.assert_close(came_out, went_in, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_error_feedback_conserves_the_momentum():
     run_ranks(_conservation, 2)
 
@@ -207,6 +210,7 @@ def _unseen_elements(rank: int, world_size: int) -> None:
             torch.testing.assert_close(v_b, v_a[:, 1:].mean().expand(3))
 
 
+@pytest.mark.slow
 def test_elements_without_a_warm_up_gradient_do_not_freeze_at_zero():
     run_ranks(_unseen_elements, 2)
 
@@ -230,6 +234,7 @@ def _gradient_compressor_leftover(rank: int, world_size: int) -> None:
     assert same_on_all_ranks(flat(model))
 
 
+@pytest.mark.slow
 def test_gradient_compressor_warms_up_and_its_residual_joins_the_momentum():
     run_ranks(_gradient_compressor_leftover, 2)
 
@@ -249,6 +254,7 @@ def _non_finite(rank: int, world_size: int) -> None:
         assert same_on_all_ranks(torch.isfinite(flat(model)))
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_are_never_hidden():
     run_ranks(_non_finite, 2)
 
@@ -284,6 +290,7 @@ def _groups_and_frozen_parameters(rank: int, world_size: int) -> None:
         optimizer.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))]))
 
 
+@pytest.mark.slow
 def test_groups_dtypes_and_frozen_parameters():
     run_ranks(_groups_and_frozen_parameters, 2)
 
@@ -334,6 +341,7 @@ def _resume(rank: int, world_size: int) -> None:
     assert optimizer.param_groups[0]["compressor"] is mine
 
 
+@pytest.mark.slow
 def test_state_dict_resumes_bit_for_bit():
     run_ranks(_resume, 2)
 
@@ -376,6 +384,7 @@ def _trains(rank: int, world_size: int) -> None:
         assert late(losses) < sum(losses[:5]) / 5 / 4, name
 
 
+@pytest.mark.slow
 def test_trains_a_tiny_model_like_adamw():
     run_ranks(_trains, 2)
 
@@ -399,6 +408,7 @@ def _disagreeing(rank: int, world_size: int) -> None:
         optimizer.step()
 
 
+@pytest.mark.slow
 def test_ranks_with_other_settings_raise_instead_of_hanging():
     run_ranks(_disagreeing, 2)
 
@@ -422,6 +432,7 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         CompressedAdam([torch.zeros(3, dtype=torch.int64)])
 
 
+@pytest.mark.slow
 def test_bad_arguments_raise():
     run_ranks(_bad_arguments, 1)
 
