@@ -221,7 +221,8 @@ def _all_reduce_properties(rank: int, world_size: int) -> None:
     assert warm is not None and same_on_all_ranks(warm)
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_is_exact_for_low_rank_sums_and_conserves_feedback(world_size):
     run_ranks(_all_reduce_properties, world_size)
 
@@ -235,6 +236,7 @@ def _disagreeing_shapes(rank: int, world_size: int) -> None:
         q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor).wait()
 
 
+@pytest.mark.slow
 def test_ranks_with_other_matrices_raise_instead_of_hanging():
     run_ranks(_disagreeing_shapes, 2)
 
@@ -261,6 +263,7 @@ def _non_finite_is_never_hidden(rank: int, world_size: int) -> None:
             assert torch.isfinite(feedback.get(key_of("w"))).all()
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_are_never_hidden():
     run_ranks(_non_finite_is_never_hidden, 2)
 
@@ -284,7 +287,8 @@ def _hook_trains(rank: int, world_size: int) -> None:
     assert late < dense_late + 0.3, (late, dense_late)
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_hook_trains_a_multi_bucket_model_with_identical_replicas(world_size):
     run_ranks(_hook_trains, world_size, timeout=400)
 
@@ -302,5 +306,6 @@ def _steady_state_has_no_host_sync(rank: int, world_size: int) -> None:
     assert counts.collectives["c10d.allreduce_"] == 2, counts.summary()
 
 
+@pytest.mark.slow
 def test_steady_state_all_reduce_has_no_host_sync_and_two_collectives():
     run_ranks(_steady_state_has_no_host_sync, 2)
