@@ -158,6 +158,7 @@ def test_emulated_cluster_without_root_is_refused(monkeypatch, capsys):
     assert ended.value.code == 2 and "needs root" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cluster_options_are_checked():
     result = run_script("ddp_train.py", "--nodes", "2", "--bandwidth", "1gbit", check=False)
     assert result.returncode == 2 and "use --inter-bandwidth" in result.stderr
@@ -270,6 +271,7 @@ def test_interleaved_runs_take_their_untimed_steps_in_turn_then_a_timed_step_eac
     assert order == untimed + timed
 
 
+@pytest.mark.slow
 def test_ddp_train_interleaved_trains_each_run_as_run_alone(tmp_path):
     args = [*TINY_MODEL, "--compressors", "int8", "--baselines", "--link-check-bytes", "256KiB"]
     alone = run_script("ddp_train.py", *args, "--out", str(tmp_path / "alone"))
