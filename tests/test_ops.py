@@ -636,9 +636,14 @@ def test_randk_indices_distinct_sorted_in_range_and_seeded(numel, k):
 
 
 @pytest.mark.parametrize(
-    "numel, k", [(1, 1), (7, 7), (1000, 10), (2**20, 2**20), (6_300_000, 63_000), (2**33 + 5, 1000)]
+    "numel, k, seed",
+    [
+        # The long walks (2**20 and 63 000 indices): one seed in the fast tier, each in the full suite.
+        pytest.param(numel, k, seed, marks=[pytest.mark.slow] * (k > 10_000 and seed != 0))
+        for numel, k in [(1, 1), (7, 7), (1000, 10), (2**20, 2**20), (6_300_000, 63_000), (2**33 + 5, 1000)]
+        for seed in [0, 12345, 2**63 + 5]
+    ],
 )
-@pytest.mark.parametrize("seed", [0, 12345, 2**63 + 5])
 def test_randk_indices_numpy_walk_is_the_torch_walk(numel, k, seed):
     """The CPU backend walks the cycles in numpy (uint32 halves), the reference in
     torch (int64 with masks): the same permutation, so the same indices."""
