@@ -53,8 +53,8 @@ KNOWN_EXCEPTIONS = {
         "streams imports nothing of gradcomp: draw it below ops in docs/design.md, or pass the stream in"
     ),
     ("gradcomp.planner.measure", "gradcomp.collectives.algorithms"): (
-        "measure_nodes imports Job from a module that is gone (now collectives/job.py, exported "
-        "by gradcomp.collectives) — removed when the planner package lands"
+        "measure_nodes imports Job from collectives/algorithms.py, which is gone (an ImportError "
+        "at call time): import it from gradcomp.collectives, which exports it"
     ),
 }
 
