@@ -404,6 +404,7 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     assert gradcomp.ddp._offsets(done[0], done)[-1] == 0.0
 
 
+@pytest.mark.slow
 def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
     run_ranks(_auto_times_gpu_buckets_by_events, 2)
 
@@ -460,6 +461,7 @@ def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int) 
     assert not collectives_out_of_order(fake), collectives_out_of_order(fake)[:5]
 
 
+@pytest.mark.slow
 def test_auto_sends_dense_gpu_buckets_through_ddps_all_reduce_in_one_order_with_the_workers():
     run_ranks(_auto_sends_dense_gpu_buckets_natively_in_order, 2)
 
@@ -515,6 +517,7 @@ def _auto_measures_gpus_at_step_boundaries(rank: int, world_size: int) -> None:
     assert sum(entry[0] == "synchronize" for entry in fake.log) == 2
 
 
+@pytest.mark.slow
 def test_auto_measures_on_gpus_at_step_boundaries_while_the_training_waits():
     run_ranks(_auto_measures_gpus_at_step_boundaries, 2)
 
