@@ -388,6 +388,7 @@ def _pingpong_body(rank, world_size):
     return everyone, inners, refused
 
 
+@pytest.mark.slow
 def test_a_pingpong_times_messages_between_two_ranks_and_every_rank_gets_the_fit():
     everyone, inners, refused = spawn.run_ranks(_pingpong_body, 3, timeout=120)
     assert everyone[0] == everyone[1] == everyone[2]  # rank 2 waited and got rank 0's figures
@@ -861,6 +862,7 @@ def _ready_body(rank, world_size, replan_from=None):
     return plans, offsets, [(p.compressor, p.algorithm) for p in mine], sizes
 
 
+@pytest.mark.slow
 def test_ranks_whose_buckets_were_ready_at_different_times_agree_on_the_plan():
     plans, offsets, rank0_alone, sizes = spawn.run_ranks(_ready_body, 2, timeout=120)
     assert len(sizes) >= 3
@@ -872,6 +874,7 @@ def test_ranks_whose_buckets_were_ready_at_different_times_agree_on_the_plan():
     assert rank0_alone != plans[0] and rank0_alone[0] == ("none", "dense")
 
 
+@pytest.mark.slow
 def test_a_re_plan_agrees_the_offsets_it_was_given():
     # Each rank's own offsets (as a checkpoint from before the ranks agreed them would hold).
     own = [[-10.0, -10.0, 0.0], [-0.001, -0.001, 0.0]]
@@ -1269,6 +1272,7 @@ def _half_precision_auto_body(rank, world_size):
     return plans
 
 
+@pytest.mark.slow
 def test_auto_plans_half_precision_buckets_by_their_own_bytes():
     plans = spawn.run_ranks(_half_precision_auto_body, 2, timeout=120)
     numel = 128 * 512 + 512
@@ -1437,6 +1441,7 @@ def _all_reduce_auto_disagreeing_body(rank, world_size):
     return shared is chooser.shared_chooser("auto") and list(chooser._SHARED) == ["auto"]
 
 
+@pytest.mark.slow
 def test_all_reduce_auto_ranks_with_other_settings_raise():
     assert spawn.run_ranks(_all_reduce_auto_disagreeing_body, 2, timeout=120) is True
 
