@@ -418,10 +418,10 @@ def test_state_pickles_without_process_group():
 
 def test_an_auto_state_pickles_after_its_pending_check():
     state = HookState("auto")
-    state._pending = torch.futures.Future()  # a check job the worker has finished
-    state._pending.set_result(None)
+    state.auto.pending = torch.futures.Future()  # a check job the worker has finished
+    state.auto.pending.set_result(None)
     clone = pickle.loads(pickle.dumps(state))
-    assert clone._pending is None and clone.auto and clone.allow == state.allow
+    assert clone.auto.pending is None and clone.auto.options.allow == state.auto.options.allow
 
 
 def test_load_state_dict_rejects_other_settings():

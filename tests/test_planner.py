@@ -240,7 +240,8 @@ def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads()
 def test_the_transports_cpu_time_is_fitted_per_byte_sent():
     rows = [dict(bytes_sent=n, cpu_seconds=1e-4 + 2e-9 * n) for n in (2**16, 2**20, 2**24)]
     assert planner.measure._cpu_per_byte(rows) == pytest.approx(2e-9)  # the slope: a call's 0.1 ms left out
-    assert planner.measure._cpu_per_byte([dict(bytes_sent=n, seconds=1.0) for n in (1, 2)]) == 0  # not measured
+    unmeasured = [dict(bytes_sent=n, seconds=1.0) for n in (1, 2)]
+    assert planner.measure._cpu_per_byte(unmeasured) == 0
 
 
 def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
@@ -842,13 +843,14 @@ def _ready_body(rank, world_size, replan_from=None):
         if step == 5 and replan_from is not None:
             # Offsets as a checkpoint of each rank's own would hold them; a re-plan at step 6.
             state.flush()
-            state._offsets = list(replan_from[rank])
+            state.auto.offsets = list(replan_from[rank])
             state.replan()
         if step == 3:  # the step before's marks, as if the ranks' backward passes had differed:
             # rank 0 hands every bucket but the last over 10 s before the end, rank 1 1 ms before.
-            count = len([k for k in state._sizes if k != "step"])
+            count = len(state.auto.sizes.numels)
             early = 0.0 if rank == 0 else 9.999
-            state._ready = {"step": 2, "first": 0.0, **{i: early for i in range(count - 1)}, count - 1: 10.0}
+            marks = {**{i: early for i in range(count - 1)}, count - 1: 10.0}
+            state.auto.ready = ddp.auto.ReadyMarks(2, 0.0, marks)
         optimizer.zero_grad()
         model(torch.randn(8, 64)).square().mean().backward()
         optimizer.step()
@@ -858,7 +860,7 @@ def _ready_body(rank, world_size, replan_from=None):
     mine = planner.choose(sizes, world_size, slow, ready=alone)
     plans, offsets = [None] * world_size, [None] * world_size
     dist.all_gather_object(plans, [(p.compressor, p.algorithm) for p in state.plan])
-    dist.all_gather_object(offsets, state._offsets)
+    dist.all_gather_object(offsets, state.ready_offsets)
     return plans, offsets, [(p.compressor, p.algorithm) for p in mine], sizes
 
 
@@ -895,7 +897,7 @@ def test_auto_options_are_checked():
             ddp.HookState("auto", **bad)
     with pytest.raises(ValueError, match="node_size must be a positive integer"):
         ddp.HookState("auto", node_size=0)
-    assert ddp.HookState("auto", node_size=2).node_size == 2  # says where the nodes are
+    assert ddp.HookState("auto", node_size=2).options.node_size == 2  # says where the nodes are
     with pytest.raises(ValueError, match="options of compressor='auto'"):
         ddp.HookState("int8", allow=("int8",))
     with pytest.raises(TypeError, match="Profile"):
@@ -907,7 +909,8 @@ def test_auto_options_are_checked():
     for make in (lambda: ddp.HookState("auto", profile=partial), lambda: planner.Auto(profile=partial)):
         with pytest.raises(ValueError, match="no measurement of 'bf16', 'int4' \\(it has \\['int8'\\]\\)"):
             make()
-    assert ddp.HookState("auto", allow=("none", "int8"), profile=partial).allow == ("none", "int8")
+    allowed = ddp.HookState("auto", allow=("none", "int8"), profile=partial).auto.options.allow
+    assert allowed == ("none", "int8")
     for only_auto in ({"replan_every": 100}, {"check_every": 5}, {"drift": 0.2}, {"drift": None}):
         with pytest.raises(ValueError, match="options of compressor='auto'"):
             ddp.HookState("int8", **only_auto)
@@ -920,7 +923,11 @@ def test_auto_options_are_checked():
     with pytest.raises(RuntimeError, match="auto"):
         ddp.HookState("int8").replan()
     state = ddp.HookState("auto")
-    assert state.auto and state.warmup_steps == ddp.AUTO_MIN_WARMUP and state.allow == planner.SAFE
+    assert (
+        state.auto
+        and state.options.warmup_steps == ddp.AUTO_MIN_WARMUP
+        and state.auto.options.allow == planner.SAFE
+    )
     assert state.state_dict()["settings"] == {"name": "auto", "allow": list(planner.SAFE)}
     with pytest.raises(ValueError, match="settings"):
         state.load_state_dict(ddp.HookState("int8").state_dict())
@@ -931,12 +938,14 @@ def test_loading_a_checkpoint_from_before_the_plan_forgets_the_plan():
 
     before = ddp.HookState("auto").state_dict()
     state = ddp.HookState("auto", profile=profile(GBIT))
-    state._adopt_plan([planner.Prediction("int8", "allgather", 4096, 1, 0.1, 0.1)])
-    state._planned_at, state._adopted_at, state._hooked_step = 4, 5, 7
-    state._replan_requested = True
+    auto = state.auto
+    auto.plan, auto.phase = [planner.Prediction("int8", "allgather", 4096, 1, 0.1, 0.1)], ddp.Phase.RUNNING
+    auto.planned_at, auto.adopted_at, auto.hooked_step, auto.replan_requested = 4, 5, 7, True
     state.load_state_dict(before)
-    assert state.plan is None and state._chosen == [] and state._planned_at is None
-    assert state._adopted_at is None and state._hooked_step == -1 and not state._replan_requested
+    auto = state.auto
+    assert state.plan is None and auto.phase is ddp.Phase.WARMUP and auto.compressors == []
+    assert auto.planned_at is None and auto.adopted_at is None and auto.hooked_step == -1
+    assert not auto.replan_requested
 
 
 def _auto_edge_body(rank, world_size):
@@ -952,13 +961,13 @@ def _auto_edge_body(rank, world_size):
     # Checkpointable(mismatch="drop") leaves): one more dense step, then the plan.
     saved = state.state_dict()
     saved["step"] = 5
-    del saved["auto_sizes"]
+    saved["auto"]["sizes"] = None
     state.load_state_dict(saved)
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
     state.flush()
     return (
-        state.allow,
+        state.auto.options.allow,
         [(p.numel, p.compressor) for p in state.plan],
         [dict(s.compressors) for s in state.stats],
     )
@@ -1032,7 +1041,7 @@ def _replan_body(rank, world_size, steps, periodic, profiles=REPLAN_PROFILES, no
         # the next check (periodic: every check re-plans).
         if step in REQUESTS[: len(profiles) - 1]:
             i = REQUESTS.index(step)
-            state.profile = profiles[i + 1]
+            state.auto.options = dataclasses.replace(state.auto.options, profile=profiles[i + 1])
             if rank == (0, world_size - 1, 1)[i] and not periodic:
                 state.replan()
         optimizer.zero_grad()
@@ -1172,8 +1181,8 @@ def _trial_body(rank, world_size, steps, slow, stall=None):
     state.flush()
     resumed = ddp.HookState("auto", allow=("int8", "int4"), profile=NEAR)
     resumed.load_state_dict(saved)
-    saved_trial = [[p.compressor for p in plan] for plan in resumed._trial["plans"]]
-    saved_seconds = list(resumed._trial["seconds"])
+    saved_trial = [[p.compressor for p in plan] for plan in resumed.auto.trial.plans]
+    saved_seconds = list(resumed.auto.trial.seconds)
     # Resumed from step 11 in a fresh model: the trial goes on from the steps it runs.
     again = DistributedDataParallel(torch.nn.Linear(128, 512))
     again.register_comm_hook(resumed, ddp.hook)
@@ -1242,7 +1251,7 @@ def _no_trial_below_min_numel(rank, world_size):
     for _ in range(8):
         model(torch.randn(4, 128)).sum().backward()
     state.flush()
-    return state.plan[0].compressor, state.trials, state._trial, {s.compressors[0] for s in state.stats}
+    return state.plan[0].compressor, state.trials, state.auto.trial, {s.compressors[0] for s in state.stats}
 
 
 @pytest.mark.slow
@@ -1286,8 +1295,8 @@ def test_trial_steps_is_checked():
     for bad in (1, -1, True, 2.0, ddp.MAX_TRIAL_STEPS + 1):
         with pytest.raises(ValueError, match="trial_steps"):
             ddp.HookState("auto", trial_steps=bad)
-    assert ddp.HookState("auto", trial_steps=0).trial_steps == 0
-    assert ddp.HookState("auto").trial_steps == ddp.DEFAULT_TRIAL_STEPS
+    assert ddp.HookState("auto", trial_steps=0).auto.options.trial_steps == 0
+    assert ddp.HookState("auto").auto.options.trial_steps == ddp.DEFAULT_TRIAL_STEPS
     with pytest.raises(ValueError, match="options of compressor='auto'"):
         ddp.HookState("int8", trial_steps=4)
 
@@ -1303,8 +1312,9 @@ def _drift_body(rank, world_size, steps, slow_from):
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    ddp.logger.addHandler(handler)
-    ddp.logger.setLevel(logging.INFO)
+    logger = logging.getLogger("gradcomp.ddp")  # every module of the hook logs there
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     torch.manual_seed(0)
     net = torch.nn.Linear(512, 2048)
     model = DistributedDataParallel(net)
@@ -1320,7 +1330,9 @@ def _drift_body(rank, world_size, steps, slow_from):
     for step in range(steps):
         if step == slow_from:
             dist.all_reduce = slow_all_reduce
-            state.profile = None  # the next plan measures
+            state.auto.options = dataclasses.replace(
+                state.auto.options, profile=None
+            )  # the next plan measures
         model(torch.randn(4, 512)).sum().backward()
         if step == 9:
             observed = [p.observed_seconds for p in state.plan]  # of the old plan, at the check of step 9

@@ -23,6 +23,7 @@ from utils import run_ranks
 
 import gradcomp
 from gradcomp import collectives, streams
+from gradcomp.ddp import timing as hook_timing
 
 WORKER = "gradcomp-collectives"
 
@@ -159,6 +160,7 @@ def install_fake() -> FakeCuda:
 
         def then(self, callback):
             child = RecordingFuture(self.devices)
+            child.parent = self  # for the checks: the job whose work the child's waiters need
 
             def run(parent):
                 with fake.stream(fake.Stream()):
@@ -192,9 +194,9 @@ def install_fake() -> FakeCuda:
     collectives.CollectiveQueue._run = recorded_run
     original_submit, original_start = collectives.CollectiveQueue.submit, collectives.CollectiveQueue._start
 
-    def logged_submit(queue, fn, device, writes=None, name="gradcomp.job"):
-        fake.log.append(("submit", threading.current_thread().name, name))
-        return original_submit(queue, fn, device, writes, name)
+    def logged_submit(queue, fn, device, writes=None, name="gradcomp.job", collectives=True):
+        fake.log.append(("submit", threading.current_thread().name, name, collectives))
+        return original_submit(queue, fn, device, writes, name, collectives)
 
     def logged_start(queue, job):
         fake.log.append(("start", WORKER, job.name))
@@ -232,19 +234,30 @@ def _hook_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
     from test_ddp import DDP, make_model, train
 
     model = DDP(make_model(), bucket_cap_mb=0.02)
-    state = gradcomp.ddp.register(model, "int8", min_numel=0)
+    state, returned = gradcomp.ddp.HookState("int8", min_numel=0), []
+
+    def hook(state, bucket):  # keeps the futures gradcomp gives DDP, which waits on them in C++
+        returned.append(gradcomp.ddp.hook(state, bucket))
+        return returned[-1]
+
+    model.register_comm_hook(state, hook)
     train(model, rank, world_size, 2)  # DDP's bucket rebuild
     collectives.release_queues()  # the next worker starts under the fake
     fake = install_fake()
     train(model, rank, world_size, 1)  # agreement checks
+    returned.clear()
     fake.log.clear()
     with Recorder(fake):
         train(model, rank, world_size, 1)
+        waited_from = len(fake.log)
+        for future in returned:
+            future.wait()  # as DDP's reducer does: the backward's stream takes the buckets
     fake.restore()
     buckets = state.last_stats.buckets
     check_worker_discipline(fake, jobs=buckets)
-    caller_waits = [entry for entry in fake.log if entry[0] == "wait event" and entry[1] is fake.default]
+    caller_waits = [e for e in fake.log[:waited_from] if e[0] == "wait event" and e[1] is fake.default]
     assert not caller_waits, "gradcomp made the backward stream wait"
+    assert len(returned) == buckets and not unordered_results(fake)
 
 
 def test_ddp_hook_runs_every_kernel_and_wait_on_the_workers_stream():
@@ -280,9 +293,12 @@ def unordered_results(fake: FakeCuda) -> list[str]:
     completed = {entry[3]: index for index, entry in enumerate(fake.log) if entry[0] == "complete"}
     problems = []
     for index, entry in enumerate(fake.log):
-        if entry[0] != "waited" or entry[3] not in completed:
+        job = entry[3] if entry[0] == "waited" else None
+        while job is not None and getattr(job, "parent", None) is not None:
+            job = job.parent  # a then() child: ordered after its job's work, through it
+        if job not in completed:
             continue
-        done = completed[entry[3]]
+        done = completed[job]
         worker_ops = [i for i, e in enumerate(fake.log[:done]) if e[0] == "op" and e[2] == WORKER]
         last = max(worker_ops, default=-1)
         worker = fake.log[last][1] if worker_ops else None
@@ -387,7 +403,7 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     # over; the offsets the plan weighed come from the step before the plan's (the last: 0).
     marks = [entry for entry in timing if entry[1] is fake.default]
     assert buckets < len(marks) <= 2 * buckets  # DDP's first step has its first buckets
-    offsets = state._offsets
+    offsets = state.ready_offsets
     assert len(offsets) == buckets and max(offsets) == 0.0 and min(offsets) < 0
     streams_used = {entry[1] for entry in timing if entry[1] is not fake.default}
     assert len(streams_used) == 1
@@ -398,10 +414,10 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     done = [FakeEvent(fake, timing=True) for _ in range(2)]
     for event in done:
         event.record()
-    assert gradcomp.ddp._in_seconds({0: [done], 1: [[done[1], pending]]}) is None
-    assert gradcomp.ddp._in_seconds({0: [done]})[0][0] == 0.0
-    assert gradcomp.ddp._offsets(done[0], [done[0], pending]) is None
-    assert gradcomp.ddp._offsets(done[0], done)[-1] == 0.0
+    assert hook_timing.in_seconds({0: [done], 1: [[done[1], pending]]}) is None
+    assert hook_timing.in_seconds({0: [done]})[0][0] == 0.0
+    assert hook_timing.ready_offsets(done[0], [done[0], pending]) is None
+    assert hook_timing.ready_offsets(done[0], done)[-1] == 0.0
 
 
 @pytest.mark.slow
@@ -411,21 +427,21 @@ def test_auto_times_gpu_buckets_by_events_on_both_streams_without_waiting():
 
 def collectives_out_of_order(fake: FakeCuda, thread: str = "MainThread") -> list[str]:
     """Every collective ``thread`` issued before the worker had issued those of every job
-    submitted before it (a job has issued them all once started: it pauses after its last)."""
-    problems, submitted, started = [], 0, []
+    submitted before it (a job has issued them all once started: it pauses after its last;
+    a job submitted as issuing none is not waited for)."""
+    problems, submitted, issuing, started = [], 0, 0, 0
     for index, entry in enumerate(fake.log):
         if entry[0] == "submit":
             submitted += 1
+            issuing = submitted if entry[3] else issuing
         elif entry[0] == "started":
-            started.append(index)
-        elif entry[0] == "op" and entry[2] == thread and "c10d" in entry[3] and len(started) < submitted:
-            problems.append(
-                f"log {index}: {entry[3]} issued before job {len(started) + 1} of {submitted} started"
-            )
+            started += 1
+        elif entry[0] == "op" and entry[2] == thread and "c10d" in entry[3] and started < issuing:
+            problems.append(f"log {index}: {entry[3]} issued before job {started + 1} of {issuing} started")
     return problems
 
 
-def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int) -> None:
+def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int, find_unused: bool) -> None:
     from test_ddp import DDP, make_model, train
 
     from gradcomp import planner
@@ -441,7 +457,9 @@ def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int) 
     collectives.CollectiveQueue._start = slow_start
     line = planner.Linear(50e-6, 1e9)
     slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
-    model = DDP(make_model(), bucket_cap_mb=0.02)
+    # find_unused_parameters: DDP all-reduces its map of used parameters on the model's group
+    # right after the last bucket's hook returns.
+    model = DDP(make_model(), bucket_cap_mb=0.02, find_unused_parameters=find_unused)
     # Buckets under min_numel are planned dense, the others int8: a plan of both kinds.
     state = gradcomp.ddp.register(
         model, "auto", allow=("int8",), profile=slow, min_numel=10_000, trial_steps=0, drift=None
@@ -456,14 +474,17 @@ def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int) 
     kinds = {p.compressor for p in state.plan}
     assert kinds == {"none", "int8"}, state.plan
     native = [e for e in fake.log if e[0] == "op" and e[2] == "MainThread" and "c10d.allreduce_" in e[3]]
-    # Every dense bucket of the three steps went through torch's all-reduce on the model's group.
-    assert len(native) == 3 * sum(p.compressor == "none" for p in state.plan), len(native)
+    # Every dense bucket of the three steps went through torch's all-reduce on the model's
+    # group (and DDP's map of used parameters once a step).
+    dense = sum(p.compressor == "none" for p in state.plan)
+    assert len(native) == 3 * (dense + find_unused), len(native)
     assert not collectives_out_of_order(fake), collectives_out_of_order(fake)[:5]
 
 
+@pytest.mark.parametrize("find_unused", [False, True])
 @pytest.mark.slow
-def test_auto_sends_dense_gpu_buckets_through_ddps_all_reduce_in_one_order_with_the_workers():
-    run_ranks(_auto_sends_dense_gpu_buckets_natively_in_order, 2)
+def test_auto_sends_dense_gpu_buckets_through_ddps_all_reduce_in_one_order_with_the_workers(find_unused):
+    run_ranks(_auto_sends_dense_gpu_buckets_natively_in_order, 2, find_unused)
 
 
 def measuring_spans(fake: FakeCuda) -> list[list[tuple]]:
@@ -507,7 +528,7 @@ def _auto_measures_gpus_at_step_boundaries(rank: int, world_size: int) -> None:
         state.flush()
     fake.restore()
     spans = measuring_spans(fake)
-    assert len(spans) == 2 and state._adopted_at == 7, (len(spans), state._adopted_at)
+    assert len(spans) == 2 and state.auto.adopted_at == 7, (len(spans), state.auto.adopted_at)
     for span in spans:
         # The device is synchronized first; the training issues nothing until the plan is made.
         work = [entry for entry in span if entry[0] not in ("wait event", "record_stream")]
@@ -568,7 +589,7 @@ def test_ready_offsets_come_from_events_on_the_stream_once_done():
             x = x @ x / 2048
         marks.append(streams.timing_event(device))
     torch.cuda.synchronize(device)
-    offsets = gradcomp.ddp._offsets(first, marks)
+    offsets = hook_timing.ready_offsets(first, marks)
     assert offsets[-1] == 0.0 and offsets[0] < offsets[1] < 0
 
 
@@ -581,7 +602,7 @@ def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
     # 19 steps: the plan at step 2, then a trial of int8's two algorithms (predicted alike) in
     # three turns, to step 18.
     state = _auto_on_a_gpu(rank, world_size, 19, allow=("int8",), profile=slow)
-    mine = ([(p.compressor, p.how) for p in state.plan], state._offsets, state.trials)
+    mine = ([(p.compressor, p.how) for p in state.plan], state.ready_offsets, state.trials)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -600,3 +621,97 @@ def test_ranks_agree_on_a_plan_made_from_cuda_events():
     ]
     offsets = everyone[0][1]
     assert offsets is None or (max(offsets) == 0.0 and len(offsets) == len(everyone[0][0]))
+
+
+def _gpu_resume_measures_where_the_saved_run_did(rank: int, world_size: int, case: str) -> dict:
+    import io
+
+    from test_ddp import DDP, batches, make_model
+
+    from gradcomp import planner
+    from gradcomp.collectives import scale
+
+    fake = install_fake()  # every bucket takes the GPU's path
+    line = planner.Linear(50e-6, 1e9)
+    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    # "plan": saved before the warm-up's last step, at whose end the plan is measured; "replan":
+    # saved between a check that asked for a re-plan (step 5) and its measurement (step 6's end).
+    warmup, save = (5, 4) if case == "plan" else (2, 6)
+    data = list(batches(rank, world_size, 9))
+
+    def build():
+        model = DDP(make_model(), bucket_cap_mb=0.02)
+        state = gradcomp.ddp.register(
+            model, "auto", allow=("int8",), profile=slow, min_numel=0, warmup_steps=warmup,
+            check_every=2, trial_steps=0, drift=None,
+        )  # fmt: skip
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run(model, state, optimizer, steps) -> tuple:
+        for step in steps:
+            if case == "replan" and step == 4:
+                state.replan()  # the check of step 5 re-plans
+            optimizer.zero_grad()
+            inputs, labels = data[step]
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+        state.flush()
+        compressors = {s.step: sorted(set(s.compressors.values())) for s in state.stats}
+        return (
+            compressors,
+            state.auto.adopted_at,
+            torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        )
+
+    model, state, optimizer = build()
+    saved = io.BytesIO()
+    run(model, state, optimizer, range(save))
+    torch.save(
+        {"model": model.module.state_dict(), "optim": optimizer.state_dict(), "hook": state.state_dict()},
+        saved,
+    )
+    compressors, adopted, final = run(model, state, optimizer, range(save, 9))
+    collectives.release_queues()
+    model, state, optimizer = build()
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    model.module.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optim"])
+    state.load_state_dict(checkpoint["hook"])
+    resumed, resumed_adopted, resumed_final = run(model, state, optimizer, range(save, 9))
+    fake.restore()
+    assert state.auto.remeasure_due is None
+    # DDP's first buckets of the resumed run are held and regrouped into the saved ones: the
+    # measurement due at that step's end still comes after the last, as in the saved run.
+    later = {s: c for s, c in compressors.items() if s >= save}
+    return dict(
+        same=torch.equal(final, resumed_final), steps=(later, resumed), adopted=(adopted, resumed_adopted)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["plan", "replan"])
+def test_a_resumed_gpu_run_measures_where_the_saved_run_did(case):
+    result = run_ranks(_gpu_resume_measures_where_the_saved_run_did, 2, case)
+    later, resumed = result["steps"]
+    assert result["same"] and later == resumed and len(set(result["adopted"])) == 1, result
+
+
+def _wait_issued_waits_only_for_collectives(rank: int, world_size: int) -> None:
+    q = collectives.queue_for(None)
+    release = threading.Event()
+    cpu = torch.device("cpu")
+    q.submit(lambda: release.wait(10), cpu, collectives=False)  # statistics: no collective
+    began = time.perf_counter()
+    q.wait_issued()  # nothing that issues collectives was submitted
+    assert time.perf_counter() - began < 1
+    q.submit(lambda: None, cpu)  # behind the stalled one
+    q.timeout_seconds = 0.5
+    with pytest.raises(RuntimeError, match="did not issue"):
+        q.wait_issued()
+    release.set()
+    q.wait_issued()
+
+
+def test_wait_issued_waits_for_the_jobs_that_issue_collectives_and_no_longer_than_the_timeout():
+    run_ranks(_wait_issued_waits_only_for_collectives, 1)

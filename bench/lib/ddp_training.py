@@ -106,7 +106,7 @@ class Training:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=settings["lr"], momentum=0.9)
         self.steps, self.warmup = settings["steps"], settings["warmup_steps"]
         if run.get("name") == "auto":
-            extra = trial_steps(self.state)  # untimed, like the warm-up
+            extra = self.state.settle_steps  # untimed, like the warm-up
             self.steps, self.warmup = self.steps + extra, self.warmup + extra
         self.progress = Progress(self.steps, settings["progress"] if rank == 0 else False)
         self.position = f"{run['position']}/{settings['total_runs']}"
@@ -197,17 +197,6 @@ class Training:
             ready_offsets=ready,
             loss=self.loss,
         )
-
-
-def trial_steps(state: gradcomp.ddp.HookState) -> int:
-    """The most steps auto's trial adds, from the step that plans (the third here) to the
-    switch to the contender if it won: where the model cannot tell its plan from another,
-    auto runs each for turns of ``trial_steps`` + 1 steps (0 without trials)."""
-    if not state.trial_steps:
-        return 0
-    # The hook does not say how many turns a trial takes: the one name of its inside
-    # the bench reads (HookState should say the whole count).
-    return len(gradcomp.ddp.TRIAL_TURNS) * (state.trial_steps + 1) + 2
 
 
 def bucket_numels(model: DistributedDataParallel) -> list[int]:

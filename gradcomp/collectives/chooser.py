@@ -106,10 +106,6 @@ def chosen_steps(chooser: Chooser, job: Job, q: CollectiveQueue) -> Generator[No
     The first call on a group compares the ranks' settings: ranks that would choose
     apart would issue other collectives and hang."""
     settings = dict(chooser.settings())
-    # Transitional: planner.Auto's settings() leaves out whether its profile is given
-    # (then nothing is measured); removed once it names it itself.
-    if "profile" not in settings and hasattr(chooser, "profile"):
-        settings["profile"] = "given" if chooser.profile is not None else "measured"
     name = settings.get("name", type(chooser).__name__)
     verify_settings(q, f"the all-reduce's compressor={name!r} settings", settings, job.tensor.device)
     job.compressor, plan = chooser.choice(q, job.tensor, job.hierarchy)

@@ -392,7 +392,7 @@ def _decode_every_shard(
 
 def shard_key(key: int, hierarchy: Hierarchy) -> int:
     """The key of this rank's shard of job ``key``: its residuals are kept under it
-    (and, for a two_phase between nodes, the owner's under ``("two_phase", it)``)."""
+    (and, for a two_phase between nodes, the owner's under ``owner_key(it)``)."""
     return mix_seed(key, _SHARD_KEY, hierarchy.intra.rank)
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradcomp import ops
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange
-from gradcomp.collectives.two_phase import chunk_bounds, chunk_length
+from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, owner_key
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, TopK, mix_seed
 from gradcomp.compressors.base import resolve_k
@@ -87,7 +87,7 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
                 values = values / world
             # Empty slots hold (0, 0.0): they add nothing.
             total.index_add_(0, fields["indices"].reshape(-1).long(), values)
-            owner_residual = job.residual(("two_phase", job.key), total)
+            owner_residual = job.residual(owner_key(job.key), total)
             seed = compressor._private_seed(Context(None, job.step, mix_seed(job.key, _OWNER), rank))
             values, indices = ops.topk_select(
                 total,

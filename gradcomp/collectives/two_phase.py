@@ -50,10 +50,16 @@ def two_phase_segments(
     return [(start, end) for start, end in chunk_bounds(numel, parts, world_size * align) if end > start]
 
 
+def owner_key(key) -> tuple:
+    """Where a ``two_phase`` owner keeps the residual of the chunks it owns of tensor
+    ``key`` (the sender's residual is under ``key`` itself)."""
+    return ("two_phase", key)
+
+
 def owner_ranges(
     compressor: Compressor, algorithm: str, numel: int, world_size: int, rank: int, device: torch.device
 ) -> list[tuple[int, int]]:
-    """Where a ``two_phase`` owner's residual (key ``("two_phase", key)``) sits in
+    """Where a ``two_phase`` owner's residual (:func:`owner_key`) sits in
     the tensor, in the residual's order: the chunks ``rank`` owns (Top-K's sparse
     two-phase: one range, unaligned). Empty for the other algorithms, which keep no
     owner's residual."""
@@ -98,7 +104,7 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
         sizes = [size(b - a) for a, b in chunk_bounds(end - start, world, align)]
         segments.append(_Segment(start, end, chunk, own_end - own_start, sizes))
     residual = job.residual(job.key, flat)
-    owner_residual = job.residual(("two_phase", job.key), flat[: sum(seg.owned for seg in segments)])
+    owner_residual = job.residual(owner_key(job.key), flat[: sum(seg.owned for seg in segments)])
     # Phase 1: every chunk of a segment compressed into a row of its own; the
     # all-to-all gives rank j every rank's row j.
     exchanges = []

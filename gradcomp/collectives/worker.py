@@ -69,9 +69,10 @@ class CollectiveQueue:
         self.lock = threading.Lock()
         self.failure: BaseException | None = None
         self.streams = streams.WorkerStreams()
-        # How many jobs were submitted, and how many the worker has started: a started job has
-        # issued every collective it will issue (it pauses only after its last). wait_issued().
-        self._submitted = self._started = 0
+        # How many jobs were submitted, the number of the last that issues collectives, and
+        # the number of the last the worker has started: a started job has issued every
+        # collective it will issue (it pauses only after its last). wait_issued().
+        self._submitted = self._issuing = self._started = 0
         self._progress = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
@@ -83,17 +84,22 @@ class CollectiveQueue:
         device: torch.device,
         writes: torch.Tensor | None = None,
         name: str = "gradcomp.job",
+        collectives: bool = True,
     ) -> torch.futures.Future:
         """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any;
-        ``name``: the profiler range the job's work runs in.
+        ``name``: the profiler range the job's work runs in; ``collectives``: False for a
+        job that issues none (statistics), which :meth:`wait_issued` need not wait for.
 
         A job starts while the one before is paused only if their ``writes``
         share no storage: it must see the result of the one before it.
         """
         future = streams.new_future(device)
         with self._progress:
-            self._submitted += 1
-            self._jobs.put(_Started(fn, future, device, streams.submitted(device), writes, name))
+            number = self._submitted = self._submitted + 1
+            if collectives:
+                self._issuing = number
+            started = _Started(fn, future, device, streams.submitted(device), writes, name, number)
+            self._jobs.put(started)
         return future
 
     def wait_issued(self) -> None:
@@ -106,7 +112,7 @@ class CollectiveQueue:
         after it (the caller submits them later). Returns at once when the worker
         has started them all; raises ``RuntimeError`` after the group's timeout."""
         with self._progress:
-            target = self._submitted
+            target = self._issuing  # the last job that issues collectives; jobs start in order
             if not self._progress.wait_for(lambda: self._started >= target, timeout=self.timeout_seconds):
                 raise RuntimeError(
                     f"gradcomp: the collective worker did not issue the jobs before this one within "
@@ -154,7 +160,7 @@ class CollectiveQueue:
             self._start_job(job)
         finally:
             with self._progress:
-                self._started += 1
+                self._started = job.number
                 self._progress.notify_all()
 
     def _start_job(self, job: _Started) -> None:
@@ -192,11 +198,17 @@ class CollectiveQueue:
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
                 self.failure = job.error = error
         job.steps = None
-        if job.error is not None:
-            job.future.set_exception(job.error)
-            return
-        with self.streams.running(job.device):
-            job.future.set_result(job.result)
+        # The future's callbacks run here, the caller's ``then`` among them: with grad mode
+        # as on any thread, not the worker's.
+        torch.set_grad_enabled(True)
+        try:
+            if job.error is not None:
+                job.future.set_exception(job.error)
+                return
+            with self.streams.running(job.device):
+                job.future.set_result(job.result)
+        finally:
+            torch.set_grad_enabled(False)
 
 
 @dataclasses.dataclass
@@ -209,6 +221,7 @@ class _Started:
     ready: object  # the submitting stream's event (None on CPU)
     writes: torch.Tensor | None
     name: str = "gradcomp.job"
+    number: int = 0  # in submission order, from 1
     steps: Generator | None = None
     result: object = None
     error: BaseException | None = None

@@ -25,7 +25,8 @@ except ImportError as error:  # the extra is missing
         'this module needs Lightning: pip install -e ".[lightning]" or pip install lightning'
     ) from error
 
-import gradcomp
+from gradcomp import ddp
+from gradcomp.compressors import get_compressor
 
 
 class GradientCompression(Callback):
@@ -46,10 +47,10 @@ class GradientCompression(Callback):
         self.compressor = compressor
         self.log = log
         self.options = options
-        self.state: gradcomp.ddp.HookState | None = None
+        self.state: ddp.HookState | None = None
         self._model = None  # the DDP wrapper the hook is registered on
         self._restored: dict | None = None
-        gradcomp.get_compressor(compressor, **_compressor_options(options))  # bad settings fail now
+        get_compressor(compressor, **_compressor_options(options))  # bad settings fail now
 
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
@@ -59,10 +60,10 @@ class GradientCompression(Callback):
                 f"the model is a {type(model).__name__}"
             )
         if self.state is None:
-            self.state = gradcomp.ddp.register(model, self.compressor, **self.options)
+            self.state = ddp.register(model, self.compressor, **self.options)
         elif model is not self._model:
             # Lightning wraps the model anew for every fit: the hook goes on the new wrapper.
-            model.register_comm_hook(self.state, gradcomp.ddp.hook)
+            model.register_comm_hook(self.state, ddp.hook)
         self._model = model
         if self._restored is not None:
             self._load(self._restored)
@@ -81,7 +82,7 @@ class GradientCompression(Callback):
         """Every rank's hook state, gathered (Lightning writes rank 0's checkpoint):
         a collective, so checkpoints must be saved by every rank, as
         ``ModelCheckpoint`` and ``trainer.save_checkpoint`` do."""
-        mine = gradcomp.ddp.on_device(self.state.state_dict(), "cpu") if self.state is not None else None
+        mine = ddp.on_device(self.state.state_dict(), "cpu") if self.state is not None else None
         if not (dist.is_available() and dist.is_initialized()):
             return {"ranks": [mine]}
         everyone = [None] * dist.get_world_size()
@@ -106,5 +107,5 @@ class GradientCompression(Callback):
 
 
 def _compressor_options(options: dict) -> dict:
-    hook = set(gradcomp.ddp._STATE_OPTIONS)
+    hook = set(ddp.STATE_OPTIONS)
     return {k: v for k, v in options.items() if k not in hook}

@@ -52,7 +52,11 @@ class Auto:
         self._chosen: dict = {}  # label -> Compressor
 
     def settings(self) -> dict:
-        return {"name": "auto", "allow": [label(candidate(c)) for c in self.allow]}
+        return {
+            "name": "auto",
+            "allow": [label(candidate(c)) for c in self.allow],
+            "profile": "given" if self.profile is not None else "measured",
+        }
 
     def choice(self, q, tensor: torch.Tensor, hierarchy=None) -> tuple[Compressor, Prediction]:
         """(on ``q``'s worker) The compressor and the plan for ``tensor`` on ``q``'s group

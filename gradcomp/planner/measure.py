@@ -17,11 +17,15 @@ import torch.distributed as dist
 
 from gradcomp.collectives import (
     HIERARCHICAL,
+    Job,
+    ReduceStats,
     allgather_segments,
     default_algorithm,
+    drive,
     ring_all_reduce_bytes,
     scale,
 )
+from gradcomp.collectives.hierarchical import hierarchical, node_stages_only
 from gradcomp.compressors import Compressor, Context, get_compressor
 from gradcomp.planner.profiles import _FASTEST, Codec, Linear, Nodes, Profile, combine
 from gradcomp.planner.specs import candidate, label
@@ -335,11 +339,6 @@ def measure_nodes(hierarchy, sizes: list[int], repeat: int = 5, device=None) -> 
     of several nodes): the node's dense stages of ``sizes`` elements, fitted as
     ``overhead + n / rate``, and between nodes the all-reduce, all-gather and all-to-all
     of every local rank's group at once. Every rank of the hierarchy's group must call it."""
-    from gradcomp.collectives.algorithms import Job
-    from gradcomp.collectives.hierarchical import hierarchical, node_stages_only
-    from gradcomp.collectives.stats import ReduceStats
-    from gradcomp.collectives.worker import drive
-
     device = torch.device(device or default_device(hierarchy.intra.group))
     stages_only, seconds, numels = node_stages_only(hierarchy), [], sorted(set(sizes))
     for numel in numels:

@@ -1,0 +1,59 @@
+"""DDP communication hooks: bucket -> compressed all-reduce -> Future.
+
+Example:
+    >>> model = DistributedDataParallel(net)
+    >>> state = gradcomp.ddp.HookState(gradcomp.get_compressor("int8"))
+    >>> model.register_comm_hook(state, gradcomp.ddp.hook)
+    >>> # or in one line:
+    >>> state = gradcomp.ddp.register(model, "topk", ratio=0.01, warmup_steps=100)
+    >>> ...; loss.backward(); state.last_stats.ratio
+
+How the hook keeps a training run safe:
+
+* Every bucket's collectives go through the group's ordered worker
+  (:mod:`gradcomp.collectives`), in bucket order, which is the same on every
+  rank; hooks return at once, so communication overlaps the backward pass.
+* Residuals follow the parameters when DDP rebuilds its buckets, and a
+  resumed run regroups its first iteration's buckets into the saved ones, so
+  it continues bit for bit (:mod:`gradcomp.buckets`).
+
+The package, one concern a module: :mod:`~gradcomp.ddp.hook` (the hook and
+:func:`register`), :mod:`~gradcomp.ddp.state` (:class:`HookState`: what the
+worker does with a bucket), :mod:`~gradcomp.ddp.options` (frozen options),
+:mod:`~gradcomp.ddp.stats` (:class:`StepStats`), :mod:`~gradcomp.ddp.checkpoint`
+(the versioned schema, :class:`Checkpointable`), :mod:`~gradcomp.ddp.auto`
+(``"auto"``'s controller and its phases) and :mod:`~gradcomp.ddp.timing`
+(auto's clocks).
+"""
+
+from gradcomp.ddp.auto import TRIAL_TURNS, AutoController, Phase
+from gradcomp.ddp.checkpoint import SCHEMA_VERSION, Checkpointable, on_device
+from gradcomp.ddp.hook import STATE_OPTIONS, hook, register
+from gradcomp.ddp.options import (
+    AUTO_MIN_WARMUP,
+    DEFAULT_TRIAL_STEPS,
+    MAX_TRIAL_STEPS,
+    AutoOptions,
+    HookOptions,
+)
+from gradcomp.ddp.state import HookState
+from gradcomp.ddp.stats import StepStats
+
+__all__ = [
+    "AUTO_MIN_WARMUP",
+    "DEFAULT_TRIAL_STEPS",
+    "MAX_TRIAL_STEPS",
+    "SCHEMA_VERSION",
+    "STATE_OPTIONS",
+    "TRIAL_TURNS",
+    "AutoController",
+    "AutoOptions",
+    "Checkpointable",
+    "HookOptions",
+    "HookState",
+    "Phase",
+    "StepStats",
+    "hook",
+    "on_device",
+    "register",
+]
