@@ -190,7 +190,15 @@ section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]
 # ranks through Triton's interpreter or compile with nvcc: not a GPU check. The
 # dry run collects the same selection from the layout (the suite runs the tests
 # on CPU itself, most of them skipped for want of a GPU).
-parity=(-n 8)
+# -v: xdist logs each test's outcome as it ends, so a run cut at its limit still tells
+# which passed; --session-timeout (pytest-timeout 2.3 and later) ends the session a little
+# before the section's limit, so that pytest writes its summary and XML itself.
+parity=(-n 8 -v)
+left=$((deadline - SECONDS))
+parity_limit=$((left < 120 ? left : 120))
+if python3 -m pytest --help 2>/dev/null | grep -q -- "--session-timeout"; then
+  parity+=(--session-timeout $((parity_limit > 40 ? parity_limit - 20 : parity_limit)))
+fi
 [ "$dry_run" -eq 0 ] || parity=(-n 2 --collect-only -q)
 section parity 120 1 python3 -m pytest "${parity[@]}" --timeout 60 -rfE --tb=short -p no:cacheprovider \
   --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \

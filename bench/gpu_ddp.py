@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import re
 import sys
 import threading
 import time
@@ -51,21 +53,27 @@ GPU_MODEL = {"width": 2048, "layers": 16, "batch": 4096}
 DRY_RUN_MODEL = {"width": 64, "layers": 4, "batch": 32}
 MIN_BACKWARD_MS = 10.0
 MAX_DOUBLINGS = 4
-# Kernels of gradcomp's Triton and CUDA sources: what the overlap counts as gradcomp's
-# where a kernel's launch is not in the trace.
-GPU_NAMES = (
-    "quantize",
-    "dequantize",
-    "sign",
-    "compact",
-    "count",
-    "scatter",
-    "topk",
-    "pack",
-    "gather",
-    "fold",
-    "randk",
-)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def kernel_names() -> tuple[set[str], tuple[str, ...]]:
+    """The names of gradcomp's kernels, read from its sources: the Triton ones (the
+    ``_..._kernel`` functions of kernels/) exactly, and the CUDA ones (csrc/) exactly or,
+    where a macro stamps one per type (``sign_compress_##X_NAME``), by their prefix. A
+    substring would also match torch's own (``sign`` in ``unsigned``)."""
+    exact = set()
+    for path in (ROOT / "kernels").glob("*.py"):
+        exact |= set(re.findall(r"^def (_\w+_kernel)\(", path.read_text(), re.MULTILINE))
+    found = set()
+    for path in (ROOT / "csrc").glob("*.cu"):
+        found |= set(
+            re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", path.read_text())
+        )
+    exact |= {name for name in found if not name.endswith("_")}
+    return exact, tuple(sorted(name for name in found if name.endswith("_")))
+
+
+KERNELS, KERNEL_PREFIXES = kernel_names()
 # Device work in a trace: kernels, copies and fills on a GPU; operators on a CPU,
 # where a thread stands for a stream.
 DEVICE_CATEGORIES = {"cuda": ("kernel", "gpu_memcpy", "gpu_memset"), "cpu": ("cpu_op",)}
@@ -114,7 +122,9 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 
 def by_name(event: dict) -> bool:
-    return any(name in event["name"] for name in GPU_NAMES)
+    """Whether ``event`` is one of gradcomp's kernels, by its name."""
+    name = event["name"]
+    return name in KERNELS or name.startswith(KERNEL_PREFIXES)
 
 
 def overlap_from_trace(events: list[dict], worker_threads: set[int], device_type: str) -> dict:
@@ -124,9 +134,10 @@ def overlap_from_trace(events: list[dict], worker_threads: set[int], device_type
     which the rest was busy too.
 
     On a GPU a kernel's launching thread is found through its launch's correlation
-    id; where no launch in the trace came from a worker thread, gradcomp's kernels
-    are found by their names (``GPU_NAMES``) instead. On a CPU (a dry run) the
-    operators are the device work and their thread is their stream."""
+    id; where no launch in the trace came from a worker thread, gradcomp's streams are
+    those its kernels ran on (found by their names, :func:`kernel_names`), and all the
+    work on them is gradcomp's. On a CPU (a dry run) the operators are the device work
+    and their thread is their stream."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES[device_type] and "dur" in e]
     if device_type == "cuda":
         launcher = {
@@ -139,9 +150,11 @@ def overlap_from_trace(events: list[dict], worker_threads: set[int], device_type
         def stream(e):
             return e["args"].get("stream")
 
+        named = {stream(e) for e in device if by_name(e)}
+
         def ours(e):
             if found_by == "kernel name":
-                return by_name(e)
+                return stream(e) in named
             return launcher.get(e["args"].get("correlation")) in worker_threads
     else:
         found_by = "thread"

@@ -25,7 +25,6 @@ import sys
 from collections.abc import Iterator
 
 import torch
-from lib import backends
 
 from gradcomp import ops
 
@@ -100,7 +99,7 @@ def cases(n: int, device: torch.device) -> Iterator[tuple[str, str, tuple, dict]
 
 def provides(backend: str, op: str, device: torch.device) -> bool:
     """Whether ``backend`` is installed, runs on ``device`` and has ``op``."""
-    return backends.runs_on(backend, device) and op in backends.functions(backend)
+    return ops.runs_on(backend, device) and op in ops.functions(backend)
 
 
 def run(backend: str, device: torch.device) -> tuple[int, int]:

@@ -38,7 +38,6 @@ import time
 from collections.abc import Iterator
 
 import torch
-from lib import backends
 from lib.machine import machine
 from lib.options import add_output_options
 from lib.progress import Progress
@@ -155,12 +154,12 @@ def backends_for(device: torch.device) -> list[str]:
     if device.type == "cpu":
         names.append("cpu")
     if device.type == "cuda":
-        names += [name for name in ("triton", "cuda") if backends.runs_on(name, device)]
+        names += [name for name in ("triton", "cuda") if ops.runs_on(name, device)]
     return names
 
 
 def provides(backend: str, op: str) -> bool:
-    return op in backends.functions(backend)
+    return op in ops.functions(backend)
 
 
 def incomplete_arguments(op: str, args: tuple, kwargs: dict) -> list[str]:
@@ -176,7 +175,7 @@ def lookup(backend: str):
     """``op -> function`` of ``backend``, called directly (no checks in a timed loop).
     The first call of each op is checked for arguments the op boundary would have
     completed (``TypeError``): backends complete nothing."""
-    functions, checked = backends.functions(backend), set()
+    functions, checked = ops.functions(backend), set()
 
     def find(op: str):
         function = functions[op]

@@ -83,14 +83,18 @@ def test_overlap_counts_the_worker_threads_kernels_against_the_rest():
 
 def test_overlap_finds_gradcomps_kernels_by_name_where_no_launch_is_the_workers():
     gpu_ddp = importlib.import_module("gpu_ddp")
+    # By exact name (torch's "unsigned" reduction is not gradcomp's sign kernel), and then
+    # everything on the streams gradcomp's kernels ran on (a fill the worker queued there).
     events = [
-        _kernel(0, 100, stream=7, correlation=1),
-        _kernel(20, 10, stream=7, correlation=2, name="_sign_kernel"),
+        _kernel(0, 100, stream=7, correlation=1, name="reduce_kernel<512, 1, unsigned int>"),
+        _kernel(20, 10, stream=13, correlation=2, name="_sign_kernel"),
+        _kernel(40, 10, stream=13, correlation=3, name="elementwise_kernel"),
+        _kernel(60, 10, stream=13, correlation=4, name="sign_compress_f32_f32"),
     ]
     found = gpu_ddp.overlap_from_trace(events, {99}, "cuda")
-    assert found["gradcomp found by"] == "kernel name"
-    assert found["gradcomp events"] == 1 and found["shared streams"] == [7]
-    assert found["overlapped fraction"] == 1.0
+    assert found["gradcomp found by"] == "kernel name" and found["gradcomp events"] == 3
+    assert found["gradcomp streams"] == [13] and found["backward streams"] == [7]
+    assert found["shared streams"] == [] and found["overlapped fraction"] == 1.0
 
 
 @pytest.mark.slow

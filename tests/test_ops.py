@@ -784,3 +784,26 @@ def test_forced_backend_runs_and_cpu_tensors_default_to_the_cpu_backend(monkeypa
     q, scales = ops.quantize_blockwise(x, 4, 100, True, 3)
     q_ref, scales_ref = REFERENCE.quantize_blockwise(x, 4, 100, True, 3)
     assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
+
+
+def test_an_optional_backend_that_fails_to_import_fails_alike_at_every_use(monkeypatch):
+    # Its package is there but its module does not import: the import's own error, every time,
+    # never "not installed" and never a silent fallback to another backend.
+    monkeypatch.setitem(ops._OPTIONAL, "triton", ("gradcomp.ops.no_such_backend", "json"))
+    monkeypatch.delitem(ops._REGISTRY, "triton", raising=False)
+    monkeypatch.setattr(ops, "_FAILED", {})
+    monkeypatch.setattr(ops, "_ABSENT", set())
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="no_such_backend"):
+            ops.functions("triton")
+    monkeypatch.setenv("GRADCOMP_BACKEND", "triton")
+    with pytest.raises(ModuleNotFoundError, match="no_such_backend"):
+        ops.implementation("pack_bits", torch.device("cpu"))
+
+
+def test_a_backends_functions_are_its_own_copy():
+    functions = ops.functions("cpu")
+    functions["pack_bits"] = None
+    assert ops.functions("cpu")["pack_bits"] is not None and ops.runs_on("cpu", "cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.functions("tpu")

@@ -167,8 +167,7 @@ def backend_params() -> list:
 
 def provides(backend: str, op: str) -> bool:
     """Whether ``backend`` implements ``op`` itself."""
-    ops._load_optional(backend)
-    return op in ops._REGISTRY[backend][1]
+    return op in ops.functions(backend)
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -9,7 +9,6 @@
 * :mod:`lib.spawning`: spawned Gloo ranks with their logs, or torchrun's;
 * :mod:`lib.link`: ``--bandwidth``, a ``tc``-limited loopback in a namespace of its own;
 * :mod:`lib.cluster`: ``--nodes``, an emulated cluster of network namespaces;
-* :mod:`lib.backends`: a backend's own functions, without the op boundary's checks;
 * :mod:`lib.ddp_training`, :mod:`lib.ddp_schedule`, :mod:`lib.ddp_report`,
   :mod:`lib.ddp_sweep`: ``ddp_train.py``'s runs, their schedule on the ranks, their
   table and predictions, and the sweep over links;

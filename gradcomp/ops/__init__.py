@@ -20,6 +20,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,7 @@ OP_NAMES = (
 # backend -> (is_available(device) -> bool, {op name: function})
 _REGISTRY: dict[str, tuple[Callable[[torch.device], bool], dict[str, Callable]]] = {
     "torch": (lambda device: True, {name: getattr(reference, name) for name in OP_NAMES}),
-    "cpu": (cpu_backend.is_available, cpu_backend.FUNCTIONS),
+    "cpu": (cpu_backend.is_available, dict(cpu_backend.FUNCTIONS)),
 }
 # Optional backends, imported on first use so that `import gradcomp` stays light
 # and never fails for lack of them: backend -> (module with FUNCTIONS and
@@ -70,18 +71,31 @@ _AUTOMATIC_DEVICES = {"triton": ("cuda",), "cuda": ("cuda",), "cpu": ("cpu",), "
 # no backend is forced: an op runs per bucket, and choosing costs more than some
 # ops on small tensors.
 _CHOSEN: dict[tuple, tuple] = {}
-_OPTIONAL_TRIED: set[str] = set()
+# Optional backends looked for once: those whose package is absent, and the error each
+# one whose import failed raised (raised again at every use, never a fallback).
+_ABSENT: set[str] = set()
+_FAILED: dict[str, BaseException] = {}
+_OPTIONAL_LOCK = threading.Lock()
 
 
 def _load_optional(name: str) -> None:
-    if name in _REGISTRY or name not in _OPTIONAL or name in _OPTIONAL_TRIED:
+    if name in _REGISTRY or name not in _OPTIONAL or name in _ABSENT:
         return
-    _OPTIONAL_TRIED.add(name)
-    module_name, package = _OPTIONAL[name]
-    if importlib.util.find_spec(package) is None:
-        return
-    module = importlib.import_module(module_name)
-    _REGISTRY[name] = (module.is_available, dict(module.FUNCTIONS))
+    with _OPTIONAL_LOCK:  # one thread imports; the others wait for what it found
+        if name in _REGISTRY or name in _ABSENT:
+            return
+        if name in _FAILED:
+            raise _FAILED[name]
+        module_name, package = _OPTIONAL[name]
+        if importlib.util.find_spec(package) is None:
+            _ABSENT.add(name)
+            return
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:
+            _FAILED[name] = error
+            raise
+        _REGISTRY[name] = (module.is_available, dict(module.FUNCTIONS))
 
 
 def _unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -173,6 +187,31 @@ def _choose(op: str, device: torch.device, forced: str | None) -> Callable:
     raise AssertionError("unreachable: the torch backend provides every op")
 
 
+def functions(backend: str) -> dict[str, Callable]:
+    """``op -> function`` of ``backend`` as it is, without the op boundary's checks and
+    dispatch (its functions take complete, valid arguments: :func:`run_on` makes them);
+    an optional backend is loaded first; empty where it is not installed.
+
+    Example:
+        >>> "topk_select" in ops.functions("cpu")
+        True
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _load_optional(backend)
+    entry = _REGISTRY.get(backend)
+    return {} if entry is None else dict(entry[1])
+
+
+def runs_on(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` is installed and runs on tensors of ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _load_optional(backend)
+    entry = _REGISTRY.get(backend)
+    return entry is not None and entry[0](torch.device(device))
+
+
 def run_on(backend: str | None, op: str, *args, **kwargs):
     """``op`` with these arguments, checked and completed, on ``backend`` (None:
     the one :func:`implementation` picks for the tensors' device)."""
@@ -246,7 +285,9 @@ __all__ = [
     "run_on",
     "check_forced_backend",
     "code_bits",
+    "functions",
     "implementation",
     "index_dtype_for",
     "register_backend",
+    "runs_on",
 ]
