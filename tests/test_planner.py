@@ -933,6 +933,51 @@ def test_auto_options_are_checked():
         state.load_state_dict(ddp.HookState("int8").state_dict())
 
 
+def test_a_checkpoint_of_the_unversioned_schema_loads_as_it_was_saved():
+    from gradcomp import ddp
+
+    state = ddp.HookState("auto", allow=("int8", "int4"), profile=profile(GBIT))
+    fresh = state.state_dict()
+    # What the unversioned schema saved: auto's fields flat beside the others, a "step" key
+    # among the bucket indices, plans of 3 (before predictions were kept) and 7 fields.
+    v1 = {k: v for k, v in fresh.items() if k not in ("version", "auto")} | {
+        "step": 9,
+        "auto_sizes": {"step": 1, 0: 4096, 1: 512},
+        "auto_ready": [-0.5, 0.0],
+        "plan": [(4096, "int8", "allgather"), (512, "none", "dense", 0, 0.1, 0.0, 0.0)],
+        "auto_adopted_at": 7,
+        "auto_last": {0: ("int8", "allgather", None), 1: ("none", "dense")},
+        "next_plan": [(4096, "int4", "allgather", 1, 0.1, 0.1, 0.0, None), (512, "none", "dense")],
+        "auto_remeasure": "requested",
+        "auto_trials": [{"kept": 0}],
+    }
+    state.load_state_dict(v1)
+    auto = state.auto
+    assert auto.phase is ddp.Phase.RUNNING and auto.adopted_at == 7 and state.step == 9
+    assert [(p.numel, p.compressor, p.algorithm) for p in state.plan] == [
+        (4096, "int8", "allgather"),
+        (512, "none", "dense"),
+    ]
+    assert state.plan[1].exchange_seconds == 0.1 and state.plan[0].inter_algorithm is None
+    assert [p.compressor for p in auto.next_plan] == [
+        "int4",
+        "none",
+    ] and auto.remeasure_due.why == "requested"
+    assert (auto.sizes.step, auto.sizes.numels) == (1, {0: 4096, 1: 512}) and state.ready_offsets == [
+        -0.5,
+        0.0,
+    ]
+    assert state.sent_as(1)[1:] == ("dense", None) and state.trials == [{"kept": 0}]
+    again = state.state_dict()
+    assert again["version"] == ddp.SCHEMA_VERSION and again["auto"]["plan"][0][:3] == (
+        4096,
+        "int8",
+        "allgather",
+    )
+    with pytest.raises(ValueError, match="schema 3"):
+        state.load_state_dict(again | {"version": 3})
+
+
 def test_loading_a_checkpoint_from_before_the_plan_forgets_the_plan():
     from gradcomp import ddp
 

@@ -22,11 +22,11 @@ The package, one concern a module: :mod:`~gradcomp.ddp.hook` (the hook and
 worker does with a bucket), :mod:`~gradcomp.ddp.options` (frozen options),
 :mod:`~gradcomp.ddp.stats` (:class:`StepStats`), :mod:`~gradcomp.ddp.checkpoint`
 (the versioned schema, :class:`Checkpointable`), :mod:`~gradcomp.ddp.auto`
-(``"auto"``'s controller and its phases) and :mod:`~gradcomp.ddp.timing`
-(auto's clocks).
+(``"auto"``'s controller and its phases), :mod:`~gradcomp.ddp.trial` (its
+trials) and :mod:`~gradcomp.ddp.timing` (its clocks).
 """
 
-from gradcomp.ddp.auto import TRIAL_TURNS, AutoController, Phase
+from gradcomp.ddp.auto import AutoController, Phase
 from gradcomp.ddp.checkpoint import SCHEMA_VERSION, Checkpointable, on_device
 from gradcomp.ddp.hook import STATE_OPTIONS, hook, register
 from gradcomp.ddp.options import (
@@ -38,6 +38,7 @@ from gradcomp.ddp.options import (
 )
 from gradcomp.ddp.state import HookState
 from gradcomp.ddp.stats import StepStats
+from gradcomp.ddp.trial import TRIAL_TURNS
 
 __all__ = [
     "AUTO_MIN_WARMUP",

@@ -32,16 +32,13 @@ import torch
 from gradcomp import planner, streams
 from gradcomp.collectives import nodes_for_auto
 from gradcomp.compressors import Compressor, NoCompression
-from gradcomp.ddp.checkpoint import loaded_plan, saved_plan
 from gradcomp.ddp.options import AutoOptions
-from gradcomp.ddp.timing import agreed_offsets, in_seconds, ranks_max, ready_offsets
+from gradcomp.ddp.timing import agreed_offsets, communication, ranks_max, ready_offsets
+from gradcomp.ddp.trial import TRIAL_TURNS, Trial, described, picks, turn_seconds
 
 logger = logging.getLogger("gradcomp.ddp")
 
 DENSE = NoCompression()
-# A trial's turns: the plan's, the runner-up's, the plan's again. Each plan's time is the mean of
-# its turns', so that a machine slowing (or speeding up) steadily weighs on both plans alike.
-TRIAL_TURNS = (0, 1, 0)
 # The steps of bucket timings kept for the drift check.
 TIMED_STEPS = 256
 
@@ -51,14 +48,6 @@ class Phase(enum.Enum):
     PLANNING = "planning"
     RUNNING = "running"
     TRIAL = "trial"
-
-
-@dataclasses.dataclass
-class Trial:
-    """A trial under way: its plans (the plan, its runner-up) and each finished turn's seconds."""
-
-    plans: list
-    seconds: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -86,19 +75,6 @@ class Remeasure:
 
     why: str
     at: int | None = None
-
-
-def picks(plan: list) -> list[str]:
-    """Each bucket's compressor and algorithm in words (``int8 two_phase``)."""
-    return [f"{p.compressor} {p.how}" for p in plan]
-
-
-def described(plan: list) -> str:
-    return "; ".join(
-        f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.how}, "
-        f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
-        for i, p in enumerate(plan)
-    )
 
 
 class AutoController:
@@ -204,19 +180,9 @@ class AutoController:
         self.pending = q.submit(check, device, name="gradcomp.check")
 
     def _time_turn(self, q, device: torch.device, step: int, since: int) -> None:
-        # The plan's steps but the first (its switch), timed up to this one's start; a run
-        # resumed in the middle of a turn times the steps it ran after its first (DDP's first
-        # iteration rebuilds its buckets), one at least (every rank resumed alike).
-        starts = self.step_starts
-        first = max(self.adopted_at, min(starts))
-        begun = [s for s in range(first + 1, step) if s in starts]
-        if since < self.options.trial_steps or not begun:
-            return
-        # The median step: one that stalls for a reason of its own (an evaluation or a
-        # checkpoint in the training loop) must not decide between the plans.
-        steps = [starts[s + 1] - starts[s] for s in begun if s + 1 in starts]
-        seconds = statistics.median(steps) if steps else (starts[step] - starts[begun[0]]) / (step - begun[0])
-        self.pending = q.submit(functools.partial(self.judge, q, seconds), device, name="gradcomp.trial")
+        seconds = turn_seconds(self.step_starts, self.adopted_at, step)
+        if since >= self.options.trial_steps and seconds is not None:
+            self.pending = q.submit(functools.partial(self.judge, q, seconds), device, name="gradcomp.trial")
 
     def measurement_due(self, step: int, device: torch.device):
         """(hook, a step's last bucket) What measures at the end of ``step`` on a GPU: the first
@@ -259,34 +225,15 @@ class AutoController:
         ]
         if changed:
             logger.info("gradcomp auto plan changes from step %d: %s", step, "; ".join(changed))
-        self._adopt(plan)
+        self.adopt(plan)
         self.adopted_at, self.baseline = step, None
 
     def observe(self, step: int) -> float:
         """(hook, at a check) How far this rank's communication drifted from the plan, as a fraction
-        (-1 when unknown, or on the first window after a plan, which calibrates).
-
-        A step's communication time is the time some bucket was in flight (on CPUs
-        from its hook to its result; on GPUs while its work ran); a bucket's share is
-        what it added to that time."""
-        window = range(step - self.options.check_every, step)
-        ratios, shares = [], {}
-        predicted = sum(p.seconds for p in self.plan)
-        for s in window:
-            times = self.times.get(s, {})
-            if len(times) != len(self.plan) or any(not t or t[-1][1] is None for t in times.values()):
-                continue
-            intervals = in_seconds(times)
-            if intervals is None:  # a GPU's events not done yet
-                continue
-            total, free, mine = 0.0, -math.inf, {}
-            for began, ended, index in sorted(intervals):
-                share = max(0.0, ended - max(began, free))
-                mine[index] = mine.get(index, 0.0) + share
-                total, free = total + share, max(free, ended)
-            for index, share in mine.items():
-                shares.setdefault(index, []).append(share)
-            ratios.append(total / predicted if predicted > 0 else math.nan)
+        (-1 when unknown, or on the first window after a plan, which calibrates); each bucket's
+        median share goes into ``plan[i].observed_seconds``."""
+        window = [self.times.get(s, {}) for s in range(step - self.options.check_every, step)]
+        totals, shares = communication(window, len(self.plan))
         for old in [s for s in self.times if s < step - TIMED_STEPS]:
             del self.times[old]
         if shares:
@@ -294,7 +241,8 @@ class AutoController:
                 dataclasses.replace(p, observed_seconds=statistics.median(shares[i])) if i in shares else p
                 for i, p in enumerate(self.plan)
             ]
-        ratio = statistics.median(ratios) if ratios else math.nan
+        predicted = sum(p.seconds for p in self.plan)
+        ratio = statistics.median(totals) / predicted if totals and predicted > 0 else math.nan
         if not ratio > 0 or math.isinf(ratio):
             return -1.0
         if self.baseline is None:
@@ -344,7 +292,7 @@ class AutoController:
         first = None if hooked is None else hooked.first
         marks = [None if hooked is None else hooked.marks.get(index) for index in range(len(sizes))]
         self.offsets = None
-        self._adopt(self._choose(q, sizes, (first, marks)))
+        self.adopt(self._choose(q, sizes, (first, marks)))
         self.adopted_at = self.planned_at + 1  # the planning step's CPU dense buckets went natively
         logger.info("gradcomp auto plan: %s", described(self.plan))
         self._begin_trial(self.plan)
@@ -401,31 +349,19 @@ class AutoController:
     def judge(self, q, seconds: float) -> None:
         """(worker, the last step of a plan's turn) Every rank's time of its steps combined (the
         slowest); the next plan to try, or the faster kept (adopted from the next step)."""
-        trial = self.trial
         (worst,) = ranks_max(q, [seconds])
-        trial.seconds.append(worst)
-        plans, times = trial.plans, trial.seconds
-        if len(times) < len(TRIAL_TURNS):
-            self.next_plan = plans[TRIAL_TURNS[len(times)]]
+        self.trial.seconds.append(worst)
+        self.next_plan = self.trial.next_turn()
+        if self.next_plan is not None:
             return
-        means = [
-            statistics.mean(t for t, turn in zip(times, TRIAL_TURNS, strict=True) if turn == i)
-            for i in range(len(plans))
-        ]
-        best = min(range(len(plans)), key=lambda i: (means[i], i))
+        outcome, plans = self.trial.outcome(), self.trial.plans
         self.trial, self.phase = None, Phase.RUNNING
-        self.trials.append(
-            {
-                "plans": [picks(plan) for plan in plans],
-                "step_ms": [1e3 * t for t in means],
-                "turns_ms": [1e3 * t for t in times],
-                "kept": best,
-            }
-        )
+        self.trials.append(outcome)
+        best = outcome["kept"]
         logger.info(
             "gradcomp auto keeps %s: %s ms a step",
-            ", ".join(picks(plans[best])),
-            " against ".join(f"{1e3 * t:.4g}" for t in means),
+            ", ".join(outcome["plans"][best]),
+            " against ".join(f"{t:.4g}" for t in outcome["step_ms"]),
         )
         if best != TRIAL_TURNS[-1]:
             self.next_plan = plans[best]
@@ -451,66 +387,16 @@ class AutoController:
         logger.info("gradcomp auto re-plans (%s): %s", why, described(self.next_plan))
         self._begin_trial(self.next_plan)
 
-    def _adopt(self, plan: list) -> None:
+    def adopt(self, plan: list) -> None:
+        """Make ``plan`` the plan (its compressors built once)."""
         self.compressors = [planner.candidate(p.compressor) for p in plan]
         self.plan = plan
-
-    # ------------------------------------------------------------------ checkpoint
-    def state_dict(self, sent_as: dict) -> dict:
-        """(hook, between steps) What a resumed run needs (schema 2's ``"auto"``); ``sent_as``:
-        the route each bucket last went through, as labels."""
-        self.wait()  # a check of the step just ended: its plan applies from the next
-        planned = self.plan is not None
-        trial = self.trial
-        return {
-            "sizes": None
-            if self.sizes is None
-            else {"step": self.sizes.step, "numels": dict(self.sizes.numels)},
-            "offsets": self.offsets,
-            "plan": saved_plan(self.plan) if planned else None,
-            "adopted_at": self.adopted_at if planned else None,
-            "last": dict(sent_as) if planned else {},
-            "next_plan": saved_plan(self.next_plan) if planned and self.next_plan is not None else None,
-            "remeasure": self.remeasure_due.why if planned and self.remeasure_due is not None else None,
-            "trial": (
-                None
-                if not planned or trial is None
-                else {"plans": [saved_plan(p) for p in trial.plans], "seconds": list(trial.seconds)}
-            ),
-            "trials": list(self.trials),
-        }
 
     def wait(self) -> None:
         """(hook) Wait for the check or judging job under way, if any."""
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-
-    def load_state_dict(self, saved: dict) -> dict:
-        """(hook, on a fresh controller) Restore :meth:`state_dict`'s output; the routes each
-        bucket last went through (labels), for the hook state."""
-        sizes = saved["sizes"]
-        self.sizes = (
-            None
-            if sizes is None
-            else StepSizes(sizes["step"], {int(k): v for k, v in sizes["numels"].items()})
-        )
-        self.offsets = saved["offsets"]
-        self.trials = list(saved["trials"])
-        if saved["trial"] is not None:
-            trial = saved["trial"]
-            self.trial = Trial([loaded_plan(p) for p in trial["plans"]], list(trial["seconds"]))
-        if saved["plan"] is None:
-            return {}
-        self.planned_at = -1
-        self._adopt(loaded_plan(saved["plan"]))
-        self.adopted_at = saved["adopted_at"]
-        self.phase = Phase.TRIAL if self.trial is not None else Phase.RUNNING
-        if saved["next_plan"] is not None:
-            self.next_plan = loaded_plan(saved["next_plan"])
-        if saved["remeasure"] is not None:
-            self.remeasure_due = Remeasure(saved["remeasure"])
-        return dict(saved["last"])
 
     def __getstate__(self):
         # A pending check's future, and the marks of when buckets were ready (CUDA events on GPUs)

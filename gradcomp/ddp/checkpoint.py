@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import planner
+from gradcomp.ddp.auto import AutoController, Phase, Remeasure, StepSizes
+from gradcomp.ddp.trial import Trial
 
 logger = logging.getLogger("gradcomp.ddp")
 
@@ -52,6 +54,52 @@ def saved_plan(plan: list[planner.Prediction]) -> list:
 
 def loaded_plan(saved: list) -> list[planner.Prediction]:
     return [planner.Prediction(c, a, n, *rest) for n, c, a, *rest in saved]
+
+
+def saved_auto(auto: AutoController, sent_as: dict) -> dict:
+    """(hook, between steps) What a resumed run needs of ``auto`` (schema 2's ``"auto"``);
+    ``sent_as``: the route each bucket last went through, as labels."""
+    auto.wait()  # a check of the step just ended: its plan applies from the next
+    planned = auto.plan is not None
+    trial, sizes = auto.trial, auto.sizes
+    return {
+        "sizes": None if sizes is None else {"step": sizes.step, "numels": dict(sizes.numels)},
+        "offsets": auto.offsets,
+        "plan": saved_plan(auto.plan) if planned else None,
+        "adopted_at": auto.adopted_at if planned else None,
+        "last": dict(sent_as) if planned else {},
+        "next_plan": saved_plan(auto.next_plan) if planned and auto.next_plan is not None else None,
+        "remeasure": auto.remeasure_due.why if planned and auto.remeasure_due is not None else None,
+        "trial": (
+            None
+            if not planned or trial is None
+            else {"plans": [saved_plan(p) for p in trial.plans], "seconds": list(trial.seconds)}
+        ),
+        "trials": list(auto.trials),
+    }
+
+
+def restore_auto(auto: AutoController, saved: dict) -> dict:
+    """(hook) Restore :func:`saved_auto`'s output into a fresh ``auto``; the routes each
+    bucket last went through (labels), for the hook state."""
+    sizes = saved["sizes"]
+    if sizes is not None:
+        auto.sizes = StepSizes(sizes["step"], {int(k): v for k, v in sizes["numels"].items()})
+    auto.offsets, auto.trials = saved["offsets"], list(saved["trials"])
+    if saved["trial"] is not None:
+        trial = saved["trial"]
+        auto.trial = Trial([loaded_plan(p) for p in trial["plans"]], list(trial["seconds"]))
+    if saved["plan"] is None:
+        return {}
+    auto.planned_at = -1
+    auto.adopt(loaded_plan(saved["plan"]))
+    auto.adopted_at = saved["adopted_at"]
+    auto.phase = Phase.TRIAL if auto.trial is not None else Phase.RUNNING
+    if saved["next_plan"] is not None:
+        auto.next_plan = loaded_plan(saved["next_plan"])
+    if saved["remeasure"] is not None:
+        auto.remeasure_due = Remeasure(saved["remeasure"])
+    return dict(saved["last"])
 
 
 def upgrade(saved: dict) -> dict:

@@ -23,11 +23,12 @@ from gradcomp.collectives import (
     ring_all_reduce_bytes,
 )
 from gradcomp.compressors import Compressor, get_compressor
-from gradcomp.ddp.auto import DENSE, TRIAL_TURNS, AutoController
-from gradcomp.ddp.checkpoint import SCHEMA_VERSION, upgrade
+from gradcomp.ddp.auto import DENSE, AutoController
+from gradcomp.ddp.checkpoint import SCHEMA_VERSION, restore_auto, saved_auto, upgrade
 from gradcomp.ddp.options import DEFAULT_TRIAL_STEPS, AutoOptions, HookOptions
 from gradcomp.ddp.stats import StepLedger, StepStats
 from gradcomp.ddp.timing import timed_on_stream
+from gradcomp.ddp.trial import TRIAL_TURNS
 from gradcomp.feedback import ErrorFeedback
 
 logger = logging.getLogger("gradcomp.ddp")
@@ -234,7 +235,7 @@ class HookState:
         }
         if self.auto is not None:
             routes = {i: self._described(route) for i, route in self._sent_as.items()}
-            saved["auto"] = self.auto.state_dict(routes)
+            saved["auto"] = saved_auto(self.auto, routes)
         return saved
 
     def load_state_dict(self, state: dict) -> None:
@@ -250,7 +251,7 @@ class HookState:
         if self.auto is not None:
             self.auto.wait()  # a check or trial job of this run: done before it is replaced
             self.auto = self._controller(self.auto.options)
-            routes = self.auto.load_state_dict(state["auto"])
+            routes = restore_auto(self.auto, state["auto"])
             self._sent_as = {
                 int(i): (planner.candidate(label), algorithm, *(between or (None,)))
                 for i, (label, algorithm, *between) in routes.items()

@@ -4,6 +4,8 @@ rank must agree on."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -77,3 +79,25 @@ def ranks_max(q, values: list[float]) -> list[float]:
     mine = torch.tensor(values, dtype=torch.float64).to(planner.default_device(q.group))
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=q.group)
     return mine.tolist()
+
+
+def communication(window: list[dict], buckets: int) -> tuple[list[float], dict[int, list[float]]]:
+    """Of the steps of ``window`` (each: bucket -> its intervals in flight) that timed all
+    ``buckets`` and whose times are read: each step's communication seconds (the time some
+    bucket was in flight), and per bucket its shares (what it added to that time)."""
+    totals, shares = [], {}
+    for times in window:
+        if len(times) != buckets or any(not t or t[-1][1] is None for t in times.values()):
+            continue
+        intervals = in_seconds(times)
+        if intervals is None:  # a GPU's events not done yet
+            continue
+        total, free, mine = 0.0, -math.inf, {}
+        for began, ended, index in sorted(intervals):
+            share = max(0.0, ended - max(began, free))
+            mine[index] = mine.get(index, 0.0) + share
+            total, free = total + share, max(free, ended)
+        for index, share in mine.items():
+            shares.setdefault(index, []).append(share)
+        totals.append(total)
+    return totals, shares
