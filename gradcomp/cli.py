@@ -342,7 +342,7 @@ def _decide(args) -> int:
         return 2
     try:
         profile = planner.Profile.load(args.profile)
-        candidates = [planner.candidate(c) for c in planner.checked_candidates(args.allow)]
+        candidates = [planner.from_spec(c) for c in planner.checked_candidates(args.allow)]
     except (OSError, ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
@@ -380,7 +380,7 @@ def _decide(args) -> int:
         )
     try:
         totals = []
-        for compressor, algorithm, inter in planner.choices(candidates, world, profile.nodes):
+        for compressor, algorithm, inter in planner.routes(candidates, world, profile.nodes):
             if not planner.saves(compressor, dtype):
                 continue  # a cast to the gradients' own width
             once = {
@@ -388,7 +388,7 @@ def _decide(args) -> int:
                 for n in set(buckets)
             }
             totals.append((planner.label(compressor), once[buckets[0]].how, [once[n] for n in buckets]))
-        plan = planner.choose(buckets, world, profile, candidates, dtypes=[dtype] * len(buckets))
+        plan = planner.best_plan(buckets, world, profile, candidates, dtypes=[dtype] * len(buckets))
     except (KeyError, ValueError) as error:
         sys.stderr.write(f"gradcomp plan: {error.args[0]}\n")
         return 2
@@ -436,7 +436,7 @@ def _probe(args) -> int:
 
     try:
         specs = split_list(args.compressors)
-        planner.options(specs, None)  # unknown names and low-rank ones refused here
+        planner.flat_routes(specs, None)  # unknown names and low-rank ones refused here
     except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp probe: {error}\n")
         return 2

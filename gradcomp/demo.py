@@ -100,7 +100,7 @@ def label_of(name: str) -> str:
 
 def check_runs(names: Sequence[str]) -> None:
     """Raise ValueError for a name that is neither a torch run nor a compressor spec
-    (:func:`gradcomp.planner.candidate`'s: ``int8``, ``topk@0.01``, ``int4:block=128``)."""
+    (:func:`gradcomp.planner.from_spec`'s: ``int8``, ``topk@0.01``, ``int4:block=128``)."""
     known = [*TORCH_RUNS, *gradcomp.COMPRESSORS]
     unknown = [name for name in names if name not in TORCH_RUNS and not _is_spec(name)]
     if unknown:
@@ -111,7 +111,7 @@ def check_runs(names: Sequence[str]) -> None:
 
 def _is_spec(name: str) -> bool:
     try:
-        planner.candidate(name)
+        planner.from_spec(name)
     except (ValueError, TypeError):
         return False
     return True
@@ -160,7 +160,7 @@ def _attach(model: DistributedDataParallel, name: str) -> gradcomp.ddp.HookState
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     if name in TORCH_RUNS:
         return None
-    return gradcomp.ddp.register(model, planner.candidate(name), min_numel=0, measure_error=True)
+    return gradcomp.ddp.register(model, planner.from_spec(name), min_numel=0, measure_error=True)
 
 
 def train(name: str, position: str, data: dict, setup: Setup, progress: tqdm | None = None) -> Row:

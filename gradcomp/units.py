@@ -10,7 +10,7 @@ One meaning per unit in ``python -m gradcomp`` and the bench scripts alike:
 
 Each parser raises ``ValueError`` naming the form it expects; :func:`argument` makes
 one an ``argparse`` type. Compressor specs (``int8``, ``topk@0.01``,
-``int4:block=128``) are :func:`gradcomp.planner.candidate`'s; :func:`split_list`
+``int4:block=128``) are :func:`gradcomp.planner.from_spec`'s; :func:`split_list`
 splits a list of them.
 
 Example:

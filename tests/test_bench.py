@@ -89,7 +89,7 @@ def test_sizes_rates_and_lists_parse():
         {"allow": ("int8", "topk@0.01")},
     )
     assert specs.parse_run("auto") == ("auto", "auto", {})
-    # The compressor as gradcomp.planner.candidate reads it, name@value included.
+    # The compressor as gradcomp.planner.from_spec reads it, name@value included.
     assert specs.parse_run("topk@0.1:algorithm=two_phase")[1:] == (
         "topk",
         {"ratio": 0.1, "algorithm": "two_phase"},

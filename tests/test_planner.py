@@ -59,33 +59,33 @@ def test_a_prediction_is_the_scale_models_exchange_plus_the_algorithms_codec_pas
 
 
 def test_a_slow_link_picks_a_low_bit_quantizer_and_a_fast_one_sends_dense_or_bf16():
-    slow = planner.choose([BUCKET], 8, profile(GBIT))
+    slow = planner.best_plan([BUCKET], 8, profile(GBIT))
     assert [(c.compressor, c.algorithm) for c in slow] == [("int4", "two_phase")]
     # At 400 Gbit/s with codecs of 1G elements a second, compressing costs more than it saves.
-    fast = planner.choose([BUCKET], 8, profile(400 * GBIT))
+    fast = planner.best_plan([BUCKET], 8, profile(400 * GBIT))
     assert fast[0].compressor in ("none", "bf16")
     # Without a fast codec even 10 Gbit/s stays dense.
-    assert planner.choose([BUCKET], 8, profile(10 * GBIT, rate=1e8))[0].compressor == "none"
+    assert planner.best_plan([BUCKET], 8, profile(10 * GBIT, rate=1e8))[0].compressor == "none"
 
 
 def test_half_precision_buckets_are_weighed_by_their_own_bytes():
     n, fast_codecs = 6_553_600, profile(25 * GBIT, rate=1e11)
     # fp32 gradients: casting to bf16 halves the bytes and pays at 25 Gbit/s.
-    assert planner.choose([n], 2, fast_codecs, ("none", "bf16"))[0].compressor == "bf16"
+    assert planner.best_plan([n], 2, fast_codecs, ("none", "bf16"))[0].compressor == "bf16"
     for dtype in (torch.bfloat16, torch.float16):
         dense = planner.predict("none", n, 2, fast_codecs, dtype=dtype)
         assert dense.bytes_sent == planner.predict("none", n, 2, fast_codecs).bytes_sent // 2
         # Gradients already of 2 bytes: the cast saves nothing, dense it is.
-        plan = planner.choose([n], 2, fast_codecs, ("none", "bf16"), dtypes=[dtype])
+        plan = planner.best_plan([n], 2, fast_codecs, ("none", "bf16"), dtypes=[dtype])
         assert plan[0].compressor == "none" and plan[0].bytes_sent == dense.bytes_sent
-        assert planner.contender([n], 2, fast_codecs, plan, ("none", "bf16"), dtypes=[dtype]) is None
+        assert planner.runner_up([n], 2, fast_codecs, plan, ("none", "bf16"), dtypes=[dtype]) is None
     # Where int8 pays for fp32 gradients but not for bf16 ones (dense sends half as much):
     # per bucket, each by its own type.
     fastest = profile(100 * GBIT, rate=1e11)
-    plan = planner.choose([n, n], 2, fastest, ("none", "int8"), dtypes=[torch.float32, torch.bfloat16])
+    plan = planner.best_plan([n, n], 2, fastest, ("none", "int8"), dtypes=[torch.float32, torch.bfloat16])
     assert [p.compressor for p in plan] == ["int8", "none"]
     with pytest.raises(ValueError, match="dtypes has 1 types for 2 buckets"):
-        planner.choose([n, n], 2, fastest, dtypes=[torch.float32])
+        planner.best_plan([n, n], 2, fastest, dtypes=[torch.float32])
     # Hierarchical: the node's stages send the gradients' own bytes too.
     nodes = dataclasses.replace(profile(GBIT), world_size=8, nodes=_two_nodes(GBIT))
     between = dataclasses.replace(nodes, link=nodes.nodes.link, nodes=None)
@@ -98,54 +98,54 @@ def test_half_precision_buckets_are_weighed_by_their_own_bytes():
 
 def test_buckets_below_the_break_even_size_stay_dense():
     p = profile(GBIT, latency=20e-6, overhead=2e-3)  # 2 ms to start a codec
-    plan = planner.choose([256, 4096, 65536, BUCKET], 2, p)
+    plan = planner.best_plan([256, 4096, 65536, BUCKET], 2, p)
     assert [c.compressor for c in plan][:2] == ["none", "none"] and plan[-1].compressor != "none"
 
 
 def test_a_bucket_reduced_while_the_backward_pass_runs_stays_dense():
     p, numels = profile(GBIT), [BUCKET, BUCKET]
-    flat = planner.choose(numels, 8, p)
+    flat = planner.best_plan(numels, 8, p)
     assert all(c.compressor == "int4" for c in flat)  # the premise: each pays on its own
     dense = planner.predict("none", BUCKET, 8, p).seconds
     # The first bucket ready long before the backward pass ends: reduced dense, it is done by
     # then, and compressing it gains nothing.
-    hidden = planner.choose(numels, 8, p, ready=[-3 * dense, 0.0])
+    hidden = planner.best_plan(numels, 8, p, ready=[-3 * dense, 0.0])
     assert [c.compressor for c in hidden] == ["none", "int4"]
     # Ready just before the end: what it saves shortens what is left: compressed.
-    assert planner.choose(numels, 8, p, ready=[-0.1 * dense, 0.0]) == flat
+    assert planner.best_plan(numels, 8, p, ready=[-0.1 * dense, 0.0]) == flat
     assert planner.exposed_seconds([-1.0, 0.0], [0.5, 0.2]) == pytest.approx(0.2)
     assert planner.exposed_seconds([-1.0, 0.0], [2.0, 0.2]) == pytest.approx(1.2)
     with pytest.raises(ValueError, match="ready has 1 times for 2 buckets"):
-        planner.choose(numels, 8, p, ready=[0.0])
+        planner.best_plan(numels, 8, p, ready=[0.0])
 
 
 def test_only_allowed_candidates_are_chosen():
-    plan = planner.choose([BUCKET], 8, profile(0.1 * GBIT), candidates=("int8",))
+    plan = planner.best_plan([BUCKET], 8, profile(0.1 * GBIT), candidates=("int8",))
     assert plan[0].compressor == "int8"
-    allowed = planner.choose([BUCKET], 8, profile(0.1 * GBIT), candidates=(*planner.SAFE, "topk@0.01"))
+    allowed = planner.best_plan([BUCKET], 8, profile(0.1 * GBIT), candidates=(*planner.SAFE, "topk@0.01"))
     assert allowed[0].compressor == "topk"
     with pytest.raises(KeyError, match="no measurement of 'ternary'"):
-        planner.choose([BUCKET], 8, profile(GBIT), candidates=("ternary",))
+        planner.best_plan([BUCKET], 8, profile(GBIT), candidates=("ternary",))
     with pytest.raises(ValueError, match="low-rank"):
-        planner.choose([BUCKET], 8, profile(GBIT), candidates=("powersgd",))
+        planner.best_plan([BUCKET], 8, profile(GBIT), candidates=("powersgd",))
 
 
 def test_candidates_parse_short_and_long_options():
-    assert planner.candidate("topk@0.05").ratio == 0.05
-    assert planner.label(planner.candidate("int4:block=128")) == "int4:block=128"
-    assert planner.label(planner.candidate("topk@0.05")) == "topk:ratio=0.05"
-    assert planner.candidate("int8:stochastic=true").stochastic is True
+    assert planner.from_spec("topk@0.05").ratio == 0.05
+    assert planner.label(planner.from_spec("int4:block=128")) == "int4:block=128"
+    assert planner.label(planner.from_spec("topk@0.05")) == "topk:ratio=0.05"
+    assert planner.from_spec("int8:stochastic=true").stochastic is True
     # String options round-trip through the label (the hook rebuilds its plan's compressors from them).
-    topk = planner.candidate("topk:index_dtype=int32")
-    assert planner.label(planner.candidate(planner.label(topk))) == planner.label(topk)
-    assert planner.label(planner.candidate("int8")) == "int8"
+    topk = planner.from_spec("topk:index_dtype=int32")
+    assert planner.label(planner.from_spec(planner.label(topk))) == planner.label(topk)
+    assert planner.label(planner.from_spec("int8")) == "int8"
     for spec, message in (
         ("sign@3", "take name@value"),
         ("int8:block", "key=value"),
         ("int8:block=x", "block must be an integer"),
     ):
         with pytest.raises(ValueError, match=message):
-            planner.candidate(spec)
+            planner.from_spec(spec)
 
 
 def test_a_pipelined_two_phase_on_cpus_overlaps_its_codec_with_its_exchange():
@@ -317,18 +317,18 @@ def test_a_slow_link_between_fast_nodes_picks_hierarchical_and_one_node_never_do
     # fit hides the slow hop, which the nodes' measurement shows.
     flat = dataclasses.replace(profile(GBIT), world_size=8)
     nodes = dataclasses.replace(flat, nodes=_two_nodes(GBIT))
-    chosen = planner.choose([BUCKET], 8, nodes)[0]
+    chosen = planner.best_plan([BUCKET], 8, nodes)[0]
     assert (chosen.compressor, chosen.algorithm) == ("int4", "hierarchical")
-    assert chosen.seconds < planner.choose([BUCKET], 8, flat)[0].seconds
+    assert chosen.seconds < planner.best_plan([BUCKET], 8, flat)[0].seconds
     # Slow stages inside the node (a second each): flat again.
     slow_stages = dataclasses.replace(flat, nodes=_two_nodes(GBIT, planner.Linear(1.0, 1e9)))
-    assert planner.choose([BUCKET], 8, slow_stages)[0].algorithm != "hierarchical"
+    assert planner.best_plan([BUCKET], 8, slow_stages)[0].algorithm != "hierarchical"
     # One node, or nodes of one rank: nothing to choose between.
     for size, count in ((8, 1), (1, 8)):
         one = dataclasses.replace(flat, nodes=planner.Nodes(size, count, FREE, flat.link))
-        assert planner.choose([BUCKET], 8, one)[0].algorithm != "hierarchical"
+        assert planner.best_plan([BUCKET], 8, one)[0].algorithm != "hierarchical"
     # fp32 dense goes flat: "none" is never hierarchical.
-    assert all(p.algorithm == "dense" for p in planner.choose([BUCKET], 8, nodes, candidates=("none",)))
+    assert all(p.algorithm == "dense" for p in planner.best_plan([BUCKET], 8, nodes, candidates=("none",)))
 
 
 def test_nodes_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
@@ -417,7 +417,7 @@ def _probe_body(rank, world_size):
     assert timed == [planner.CODEC_REPEATS]  # int8's, more often than the link's
     everyone = [None] * world_size
     dist.all_gather_object(everyone, found)
-    plan = planner.choose([4096, 2**20], world_size, found.with_link(GBIT), candidates=("int8",))
+    plan = planner.best_plan([4096, 2**20], world_size, found.with_link(GBIT), candidates=("int8",))
     plans = [None] * world_size
     dist.all_gather_object(plans, plan)
     return everyone, plans, rows
@@ -728,7 +728,7 @@ def test_the_stored_cpu_profile_loads_and_plans():
     # Measured with the transport's CPU time (not a pingpong's: no algorithm runs on it).
     fits = (stored.link, stored.links["all_gather"], stored.links["all_to_all"])
     assert all(link.cpu_seconds_per_byte > 1e-12 for link in fits)
-    plan = planner.choose([BUCKET, 1024], 16, stored.with_link(GBIT))
+    plan = planner.best_plan([BUCKET, 1024], 16, stored.with_link(GBIT))
     assert plan[0].compressor in ("int8", "int4") and plan[1].compressor in ("none", "bf16")
 
 
@@ -805,7 +805,7 @@ def test_auto_plans_once_from_every_ranks_figures_and_compresses_the_large_bucke
     result = spawn.run_ranks(_auto_body, 2, [10 * GBIT, 0.1 * GBIT], 8, 5, timeout=240)
     plan = result["plan"]
     slowest = planner.combine([profile(10 * GBIT, overhead=20e-3), profile(0.1 * GBIT, overhead=20e-3)])
-    expected = planner.choose([n for n, _, _ in plan], 2, slowest)
+    expected = planner.best_plan([n for n, _, _ in plan], 2, slowest)
     assert plan == [(p.numel, p.compressor, p.algorithm) for p in expected]
     # Two buckets: the large one in 4 bits, the small one (20 ms to start a codec) dense.
     assert [p[1] for p in plan] == ["int4", "none"] and plan[0][0] > 2**20 > plan[1][0]
@@ -857,7 +857,7 @@ def _ready_body(rank, world_size, replan_from=None):
     state.flush()
     sizes = [p.numel for p in state.plan]
     alone = [-10.0 if rank == 0 else -0.001] * (len(sizes) - 1) + [0.0]
-    mine = planner.choose(sizes, world_size, slow, ready=alone)
+    mine = planner.best_plan(sizes, world_size, slow, ready=alone)
     plans, offsets = [None] * world_size, [None] * world_size
     dist.all_gather_object(plans, [(p.compressor, p.algorithm) for p in state.plan])
     dist.all_gather_object(offsets, state.ready_offsets)
@@ -1174,28 +1174,28 @@ def test_a_plan_moving_between_hierarchical_and_flat_carries_the_residuals():
 NEAR = planner.Profile("near", scale.Link(0.1 * GBIT, 20e-6), _codecs(int8=1e8, int4=4e7), 2)
 
 
-def test_the_contender_is_a_choice_the_model_cannot_tell_from_the_plans():
+def test_the_runner_up_is_a_choice_the_model_cannot_tell_from_the_plans():
     numel = 128 * 512 + 512
     allow = ("int8", "int4")
-    plan = planner.choose([numel], 2, NEAR, allow)
+    plan = planner.best_plan([numel], 2, NEAR, allow)
     assert [(p.compressor, p.algorithm) for p in plan] == [("int8", "allgather")]
-    (other,) = planner.contender([numel], 2, NEAR, plan, allow)
+    (other,) = planner.runner_up([numel], 2, NEAR, plan, allow)
     # Another compressor first (int8's two_phase is closer still), within the margin.
     assert (other.compressor, other.algorithm) == ("int4", "allgather")
     assert abs(other.seconds - plan[0].seconds) <= planner.MARGIN * plan[0].seconds
     # int4 far slower: int8's other algorithm is the one left within the margin.
     slow4 = planner.Profile("s", NEAR.link, _codecs(int8=1e8, int4=1e7), 2)
-    (other,) = planner.contender([numel], 2, slow4, planner.choose([numel], 2, slow4, allow), allow)
+    (other,) = planner.runner_up([numel], 2, slow4, planner.best_plan([numel], 2, slow4, allow), allow)
     assert (other.compressor, other.algorithm) == ("int8", "two_phase")
     # Dense kept though int8 is predicted far faster (as the overlap with the backward
-    # pass may decide): no contender, nor where nothing comes within the margin.
+    # pass may decide): no runner-up, nor where nothing comes within the margin.
     dense = [planner.predict("none", numel, 2, NEAR)]
-    assert planner.contender([numel], 2, NEAR, dense, allow) is None
-    assert planner.contender([numel], 2, NEAR, plan, ("int8",), within=0.001) is None
-    # Buckets without one keep the plan's choice in the contender plan.
-    two = planner.choose([numel, 100], 2, NEAR, allow)
+    assert planner.runner_up([numel], 2, NEAR, dense, allow) is None
+    assert planner.runner_up([numel], 2, NEAR, plan, ("int8",), within=0.001) is None
+    # Buckets without one keep the plan's choice in the runner-up plan.
+    two = planner.best_plan([numel, 100], 2, NEAR, allow)
     assert two[1].compressor == "none"
-    assert planner.contender([numel, 100], 2, NEAR, two, allow, within=0.1)[1] is two[1]
+    assert planner.runner_up([numel, 100], 2, NEAR, two, allow, within=0.1)[1] is two[1]
 
 
 def _trial_body(rank, world_size, steps, slow, stall=None):
@@ -1220,7 +1220,7 @@ def _trial_body(rank, world_size, steps, slow, stall=None):
             time.sleep(0.25)  # one rank's steps slower with this compressor: every rank's are
         if rank == 1 and step == stall:
             time.sleep(1.5)  # the loop's own business (an evaluation, a checkpoint): one step
-        if step == 10:  # in the contender's turn: a checkpoint keeps the trial
+        if step == 10:  # in the runner-up's turn: a checkpoint keeps the trial
             state.flush()
             saved = state.state_dict()
     state.flush()
@@ -1256,7 +1256,7 @@ def _trial_body(rank, world_size, steps, slow, stall=None):
 @pytest.mark.parametrize(
     ("slow", "stall"), [("int8", None), ("int4", None), ("int8", 9)], ids=["int8", "int4", "int8-stall"]
 )
-def test_auto_tries_a_close_contender_and_keeps_the_faster(slow, stall):
+def test_auto_tries_a_close_runner_up_and_keeps_the_faster(slow, stall):
     result = spawn.run_ranks(_trial_body, 2, 20, slow, stall, timeout=240)
     # Planned at step 2 (int8); it runs to step 7, whose check times steps 4-6; int4
     # runs steps 8-12 (timed 9-11), int8 again steps 13-17 (timed 14-16), and the faster
@@ -1449,7 +1449,7 @@ def _all_reduce_auto_body(rank, world_size):
 def test_all_reduce_auto_chooses_per_size_and_every_rank_agrees():
     result = spawn.run_ranks(_all_reduce_auto_body, 2, timeout=180)
     slowest = planner.combine([profile(0.01 * GBIT, overhead=20e-3), profile(1.01 * GBIT, overhead=20e-3)])
-    big, small = (planner.choose([n], 2, slowest, ("int8", "int4"))[0] for n in (2**18, 1000))
+    big, small = (planner.best_plan([n], 2, slowest, ("int8", "int4"))[0] for n in (2**18, 1000))
     assert big.compressor == "int4" and small.compressor == "none"  # the premise
     f32 = torch.float32
     assert result["plans"] == {(2**18, f32): ("int4", big.algorithm), (1000, f32): ("none", "dense")}

@@ -79,7 +79,7 @@ def sweep_rows(documents: list[tuple[str, dict]]) -> list[dict]:
         records = [r for r in document["records"] if not r["failed"] and r["kind"] != "compute"]
         auto = next((r for r in records if r["name"] == "auto"), None)
         allow = planner.checked_candidates((auto or {}).get("options", {}).get("allow"))
-        names = {planner.candidate(spec).name for spec in allow} | {""}  # "": dense, no hook
+        names = {planner.from_spec(spec).name for spec in allow} | {""}  # "": dense, no hook
         static = [r for r in records if r["kind"] in ("dense", "gradcomp") and r["name"] in names]
         best = min(static, key=lambda r: r["step_ms"]) if static else None
         dense = next((r for r in records if r["kind"] == "dense"), None)

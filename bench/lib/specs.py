@@ -1,6 +1,6 @@
 """A bench run's spec: a compressor spec with the DDP hook's options.
 
-The compressor is written as everywhere in gradcomp (:func:`gradcomp.planner.candidate`:
+The compressor is written as everywhere in gradcomp (:func:`gradcomp.planner.from_spec`:
 ``int8``, ``topk@0.01``, ``topk:ratio=0.1,exact=true``); the hook's options join
 its options after the colon (``int8:algorithm=hierarchical,inter_algorithm=allgather``);
 ``auto`` or ``auto:allow=bf16|int8|topk@0.01`` is the hook's planner. The spec as
@@ -17,7 +17,7 @@ import argparse
 
 from gradcomp.collectives import check_algorithm
 from gradcomp.compressors import Compressor, get_compressor
-from gradcomp.planner import candidate, checked_candidates
+from gradcomp.planner import checked_candidates, from_spec
 
 # Options of the DDP hook rather than of the compressor.
 HOOK_OPTIONS = ("algorithm", "inter_algorithm")
@@ -46,7 +46,7 @@ def parse_run(text: str) -> tuple[str, str, dict]:
     try:
         if name == "auto":
             return label, name, _auto_options(kept, hook)
-        compressor = candidate(f"{name}:{','.join(kept)}" if kept else name)
+        compressor = from_spec(f"{name}:{','.join(kept)}" if kept else name)
         _check_hook_options(compressor, hook)
     except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None

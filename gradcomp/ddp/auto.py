@@ -3,7 +3,7 @@
 WARMUP: every bucket is reduced dense; the worker notes the buckets' sizes and
 the hook when each was handed over. PLANNING: a job measures (or takes the
 injected profile), combines every rank's figures and chooses per bucket
-(:func:`gradcomp.planner.choose`). RUNNING: the plan applies; every
+(:func:`gradcomp.planner.best_plan`). RUNNING: the plan applies; every
 ``check_every`` steps the ranks compare the observed communication with the
 prediction, and re-plan on drift or request. TRIAL: where the model cannot tell
 the plan from its runner-up, both run in turns (:data:`TRIAL_TURNS`) and the
@@ -292,12 +292,12 @@ class AutoController:
         first = None if hooked is None else hooked.first
         marks = [None if hooked is None else hooked.marks.get(index) for index in range(len(sizes))]
         self.offsets = None
-        self.adopt(self._choose(q, sizes, (first, marks)))
+        self.adopt(self._plan_for(q, sizes, (first, marks)))
         self.adopted_at = self.planned_at + 1  # the planning step's CPU dense buckets went natively
         logger.info("gradcomp auto plan: %s", described(self.plan))
         self._begin_trial(self.plan)
 
-    def _choose(self, q, sizes: list[int], marks: tuple | None = None) -> list:
+    def _plan_for(self, q, sizes: list[int], marks: tuple | None = None) -> list:
         """(worker) The plan for buckets of ``sizes``: measured, or from the injected profiles.
         ``marks``: the hook's (first, per bucket) of the step before, to find the offsets."""
         if q.world_size == 1:  # nothing to send: nothing to compress
@@ -316,7 +316,9 @@ class AutoController:
         if marks is not None and self.offsets is None:
             logger.info("gradcomp auto: planning without the overlap with the backward pass (no ready times)")
         dtypes = [self.dtypes.get(index, torch.float32) for index in range(len(sizes))]
-        plan = planner.choose(sizes, q.world_size, profile, options.allow, ready=self.offsets, dtypes=dtypes)
+        plan = planner.best_plan(
+            sizes, q.world_size, profile, options.allow, ready=self.offsets, dtypes=dtypes
+        )
         # Buckets under min_numel go dense whatever the plan says: the plan says so too.
         plan = [
             p if n >= self.min_numel else planner.predict("none", n, q.world_size, profile, dtype=dtype)
@@ -324,7 +326,7 @@ class AutoController:
         ]
         self.runner_up = None
         if options.trial_steps:
-            other = planner.contender(sizes, q.world_size, profile, plan, options.allow, dtypes=dtypes)
+            other = planner.runner_up(sizes, q.world_size, profile, plan, options.allow, dtypes=dtypes)
             # Buckets the hook reduces dense whatever the plan says cannot tell two plans apart.
             if other is not None:
                 other = [
@@ -334,7 +336,7 @@ class AutoController:
         return plan
 
     def _begin_trial(self, plan: list) -> None:
-        """(worker, after :meth:`_choose`) Try ``plan`` against its runner-up, if it has one."""
+        """(worker, after :meth:`_plan_for`) Try ``plan`` against its runner-up, if it has one."""
         other, self.runner_up = self.runner_up, None
         self.trial = None if other is None else Trial([plan, other])
         self.phase = Phase.RUNNING if other is None else Phase.TRIAL
@@ -383,13 +385,13 @@ class AutoController:
     def remeasure(self, q, why: str = "requested") -> None:
         """(worker) Measure and choose afresh for the plan's buckets; adopted from the next step."""
         self.remeasure_due = None
-        self.next_plan = self._choose(q, [p.numel for p in self.plan])
+        self.next_plan = self._plan_for(q, [p.numel for p in self.plan])
         logger.info("gradcomp auto re-plans (%s): %s", why, described(self.next_plan))
         self._begin_trial(self.next_plan)
 
     def adopt(self, plan: list) -> None:
         """Make ``plan`` the plan (its compressors built once)."""
-        self.compressors = [planner.candidate(p.compressor) for p in plan]
+        self.compressors = [planner.from_spec(p.compressor) for p in plan]
         self.plan = plan
 
     def wait(self) -> None:

@@ -92,7 +92,7 @@ class AutoOptions:
         replan_every: re-measure and re-plan at the first check this many
             steps after the plan (None: only on drift).
         trial_steps: where the model cannot tell the plan from another
-            (:func:`gradcomp.planner.contender`), how many steps each runs
+            (:func:`gradcomp.planner.runner_up`), how many steps each runs
             before the faster is kept (2 to 100, or 0: never try).
     """
 

@@ -113,7 +113,7 @@ class HookState:
             )
             self.options = options.check_for_auto()
             self.auto = self._controller(auto)
-            self.compressor: Compressor = DENSE  # auto: each bucket's is in the plan
+            self.compressor: Compressor | None = None  # auto: each bucket's is in its plan
         else:
             self.compressor = get_compressor(compressor)
             self.options = options.check_for(self.compressor)
@@ -192,7 +192,7 @@ class HookState:
         if self.auto is not None:
             return {
                 "name": "auto",
-                "allow": [planner.label(planner.candidate(c)) for c in self.auto.options.allow],
+                "allow": [planner.label(planner.from_spec(c)) for c in self.auto.options.allow],
             }
         return self.compressor.settings()
 
@@ -253,7 +253,7 @@ class HookState:
             self.auto = self._controller(self.auto.options)
             routes = restore_auto(self.auto, state["auto"])
             self._sent_as = {
-                int(i): (planner.candidate(label), algorithm, *(between or (None,)))
+                int(i): (planner.from_spec(label), algorithm, *(between or (None,)))
                 for i, (label, algorithm, *between) in routes.items()
             }
         self.step = int(state["step"])

@@ -155,16 +155,16 @@ def implementation(op: str, device: torch.device) -> Callable:
     # The registry's entries are in the key: a test may swap one in place.
     setting = os.environ.get("GRADCOMP_BACKEND", "")
     if setting:  # forced: checked at every call (whether it can run may depend on more settings)
-        return _choose(op, device, _forced(setting))
+        return _resolve(op, device, _forced(setting))
     key = (op, device, *map(id, _REGISTRY.values()))
     chosen = _CHOSEN.get(key)
     if chosen is None:
         # The entries are kept with the choice: their ids cannot be reused meanwhile.
-        chosen = _CHOSEN[key] = (_choose(op, device, None), tuple(_REGISTRY.values()))
+        chosen = _CHOSEN[key] = (_resolve(op, device, None), tuple(_REGISTRY.values()))
     return chosen[0]
 
 
-def _choose(op: str, device: torch.device, forced: str | None) -> Callable:
+def _resolve(op: str, device: torch.device, forced: str | None) -> Callable:
     check_forced_backend()
     if forced is not None:
         is_available, functions = _REGISTRY[forced]

@@ -7,7 +7,7 @@ per rank), and per compressor the seconds to encode and to decode ``n``
 elements as ``overhead + n / rate``. :func:`predict` adds the exchange time
 of the scale model (:mod:`gradcomp.collectives.scale`: the bytes one rank
 sends, the ring steps) and the encode and decode passes each algorithm
-makes; :func:`choose` takes, per bucket, the candidate with the least
+makes; :func:`best_plan` takes, per bucket, the candidate with the least
 predicted time, so a bucket below the break-even size stays dense.
 :func:`measure_link` and :func:`measure_codec` make a profile on this
 machine (``python -m gradcomp probe``); :func:`combine` makes every rank's
@@ -22,7 +22,7 @@ JSON), :mod:`~gradcomp.planner.model` (predictions and plans),
 
 Example:
     >>> profile = planner.Profile.load()  # the stored 2-core CPU profile (on a CPU machine)
-    >>> plan = planner.choose([6_553_600, 4096], 16, profile.with_link(1e9 / 8))  # 1 Gbit/s
+    >>> plan = planner.best_plan([6_553_600, 4096], 16, profile.with_link(1e9 / 8))  # 1 Gbit/s
     >>> [(p.compressor, p.algorithm) for p in plan]
     [('int4', 'two_phase'), ('int8', 'allgather')]
 """
@@ -46,18 +46,18 @@ from gradcomp.planner.measure import (
 from gradcomp.planner.model import (
     MARGIN,
     Prediction,
-    choices,
-    choose,
-    contender,
+    best_plan,
     dense_plan,
     exposed_seconds,
-    options,
+    flat_routes,
     passes,
     predict,
+    routes,
+    runner_up,
     saves,
 )
 from gradcomp.planner.profiles import STORED, Codec, Linear, Nodes, Profile, combine
-from gradcomp.planner.specs import SAFE, candidate, label
+from gradcomp.planner.specs import SAFE, from_spec, label
 
 __all__ = [
     "BUSY_SHAPE",
@@ -74,12 +74,12 @@ __all__ = [
     "Profile",
     "agreed_profile",
     "busy",
-    "candidate",
+    "from_spec",
     "checked_candidates",
-    "choices",
-    "choose",
+    "routes",
+    "best_plan",
     "combine",
-    "contender",
+    "runner_up",
     "default_device",
     "dense_plan",
     "device_name",
@@ -93,7 +93,7 @@ __all__ = [
     "measure_link",
     "measure_nodes",
     "measure_pingpong",
-    "options",
+    "flat_routes",
     "passes",
     "predict",
     "probe",

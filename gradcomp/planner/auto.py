@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from gradcomp.compressors import Compressor
 from gradcomp.planner.measure import LINK_MAX, probe
-from gradcomp.planner.model import Prediction, choose, dense_plan, options
+from gradcomp.planner.model import Prediction, best_plan, dense_plan, flat_routes
 from gradcomp.planner.profiles import Profile, combine
-from gradcomp.planner.specs import SAFE, candidate, label
+from gradcomp.planner.specs import SAFE, from_spec, label
 
 
 class Auto:
@@ -24,7 +24,7 @@ class Auto:
     to 4M elements, :data:`LINK_MAX`) and a grid from 4K to 1M elements
     (:func:`link_sizes`), or takes ``profile``; every rank's figures combine,
     so every rank chooses alike. Each new size is then planned from those
-    lines (:func:`choose`, in the tensor's own dtype: bf16 gradients send half
+    lines (:func:`best_plan`, in the tensor's own dtype: bf16 gradients send half
     the bytes, and a cast to bf16 saves them nothing) and keeps its choice;
     :attr:`plans` holds them per group, keyed by (elements, dtype). An empty
     tensor is sent dense without measuring. Where the group spans several
@@ -49,12 +49,12 @@ class Auto:
         self.allow, self.profile = checked_candidates(allow, profile), profile
         self.profiles: dict = {}  # group -> the combined profile
         self.plans: dict = {}  # group -> numel -> Prediction
-        self._chosen: dict = {}  # label -> Compressor
+        self._compressors: dict = {}  # label -> Compressor
 
     def settings(self) -> dict:
         return {
             "name": "auto",
-            "allow": [label(candidate(c)) for c in self.allow],
+            "allow": [label(from_spec(c)) for c in self.allow],
             "profile": "given" if self.profile is not None else "measured",
         }
 
@@ -71,11 +71,13 @@ class Auto:
                 plan = dense_plan([tensor.numel()])[0]
             else:
                 profile = self._profile(q, tensor, hierarchy)
-                plan = choose([tensor.numel()], q.world_size, profile, self.allow, dtypes=[tensor.dtype])[0]
+                plan = best_plan([tensor.numel()], q.world_size, profile, self.allow, dtypes=[tensor.dtype])[
+                    0
+                ]
             plans[key] = plan
-        compressor = self._chosen.get(plan.compressor)
+        compressor = self._compressors.get(plan.compressor)
         if compressor is None:
-            compressor = self._chosen[plan.compressor] = candidate(plan.compressor)
+            compressor = self._compressors[plan.compressor] = from_spec(plan.compressor)
         return compressor, plan
 
     def _profile(self, q, tensor: torch.Tensor, hierarchy) -> Profile:
@@ -101,11 +103,11 @@ def checked_candidates(allow, profile: Profile | None = None) -> tuple:
             raise TypeError(f"allow holds compressors' names or Compressors, got {spec!r}")
     if not allow:
         raise ValueError("allow names no candidate")
-    options(allow, None)  # unknown names and low-rank ones raise here
+    flat_routes(allow, None)  # unknown names and low-rank ones raise here
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a gradcomp.planner.Profile, got {type(profile).__name__}")
     if profile is not None:  # found now, not after the warm-up
-        missing = [key for key in (label(candidate(c)) for c in allow) if key != "none"]
+        missing = [key for key in (label(from_spec(c)) for c in allow) if key != "none"]
         missing = [key for key in dict.fromkeys(missing) if key not in profile.codecs]
         if missing:
             raise ValueError(

@@ -28,7 +28,7 @@ from gradcomp.collectives import (
 from gradcomp.collectives.hierarchical import hierarchical, node_stages_only
 from gradcomp.compressors import Compressor, Context, get_compressor
 from gradcomp.planner.profiles import _FASTEST, Codec, Linear, Nodes, Profile, combine
-from gradcomp.planner.specs import candidate, label
+from gradcomp.planner.specs import from_spec, label
 
 LINK_MAX = 2**22  # the largest all-reduce (fp32 elements) the link is timed at when planning
 # A probe times each codec this many times as often as the link: on the 2-core machine
@@ -310,7 +310,7 @@ def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", 
     waits for a turn on a core. Where torch runs an op on
     several threads, the thread that calls it does its share: what the op adds to a step
     whose cores are all busy; work it does alone (Python, serial ops) counts in full."""
-    compressor = candidate(compressor)
+    compressor = from_spec(compressor)
     device = torch.device(device)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
     summed = default_algorithm(compressor, 2) == "dense"
@@ -408,7 +408,7 @@ def probe(
     codecs = {}
     with busy(device):  # one busy thread for every codec (measure_codec's own nest in it)
         for spec in compressors:
-            compressor = candidate(spec)
+            compressor = from_spec(spec)
             if compressor.name != "none":
                 times = CODEC_REPEATS * repeat if codec_repeat is None else codec_repeat
                 codecs[label(compressor)] = measure_codec(compressor, sorted(codec_sizes), device, times)

@@ -17,7 +17,7 @@ from gradcomp.collectives import (
 )
 from gradcomp.compressors import Compressor
 from gradcomp.planner.profiles import Nodes, Profile
-from gradcomp.planner.specs import SAFE, candidate, label
+from gradcomp.planner.specs import SAFE, from_spec, label
 
 # A compressor must be predicted this much faster than dense to be chosen: on the
 # 2-core CPU machine the model still misses by up to 30% for codecs on fast links
@@ -95,7 +95,7 @@ def predict(
     needs: :class:`gradcomp.collectives.scale.Link`): of the exchange ``X`` and the codec
     ``C``, ``min(X - T, C) (1 - 1/S)`` overlaps (a pipeline's fill and drain keep the
     rest). A profile measured on a CPU says so in its device name."""
-    compressor = candidate(compressor)
+    compressor = from_spec(compressor)
     if compressor.low_rank:
         raise ValueError(f"{compressor.name}: the planner does not model low-rank compressors yet")
     if algorithm == HIERARCHICAL:
@@ -154,11 +154,11 @@ def _predict_hierarchical(
     )
 
 
-def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
+def flat_routes(candidates, world_size: int) -> list[tuple[Compressor, str]]:
     """Every (compressor, algorithm) pair the candidates can run at this world size (``none``: dense only)."""
     pairs, seen = [], set()
     for spec in candidates:
-        compressor = candidate(spec)
+        compressor = from_spec(spec)
         if label(compressor) in seen:
             continue
         seen.add(label(compressor))
@@ -175,20 +175,20 @@ def options(candidates, world_size: int) -> list[tuple[Compressor, str]]:
     return pairs
 
 
-def choices(candidates, world_size: int, nodes: Nodes | None = None) -> list[tuple[Compressor, str, str]]:
-    """Every (compressor, algorithm, algorithm between nodes) :func:`choose` weighs: ``none``
-    dense first, then each candidate's flat :func:`options` and, on several ``nodes`` of several
+def routes(candidates, world_size: int, nodes: Nodes | None = None) -> list[tuple[Compressor, str, str]]:
+    """Every (compressor, algorithm, algorithm between nodes) :func:`best_plan` weighs: ``none``
+    dense first, then each candidate's flat :func:`flat_routes` and, on several ``nodes`` of several
     ranks, each compressor hierarchical with every algorithm it can run between them (fp32
     dense goes flat). The third item is None for the flat ones."""
-    flat = options(["none", *[c for c in candidates if c != "none"]], world_size)
+    flat = flat_routes(["none", *[c for c in candidates if c != "none"]], world_size)
     found = [(c, a, None) for c, a in flat]
     if nodes is not None and nodes.size > 1 and nodes.count > 1:
-        compressed = [c for c in candidates if label(candidate(c)) != "none"]
-        found += [(c, HIERARCHICAL, a) for c, a in options(compressed, nodes.count)]
+        compressed = [c for c in candidates if label(from_spec(c)) != "none"]
+        found += [(c, HIERARCHICAL, a) for c, a in flat_routes(compressed, nodes.count)]
     return found
 
 
-def choose(
+def best_plan(
     numels: list[int],
     world_size: int,
     profile: Profile,
@@ -213,7 +213,7 @@ def choose(
     ``dtypes``: each bucket's element type (default fp32): bf16 buckets send half the
     bytes dense, and casting them to bf16 saves nothing."""
     keys = list(zip(numels, _dtypes(dtypes, numels), strict=True))
-    pairs = choices(candidates, world_size, profile.nodes)
+    pairs = routes(candidates, world_size, profile.nodes)
     best, dense = {}, {}  # buckets are mostly of one size: predict each size once
     for key in set(keys):
         predictions = [
@@ -257,7 +257,7 @@ def _dtypes(dtypes: list[torch.dtype] | None, numels: list[int]) -> list[torch.d
     return list(dtypes)
 
 
-def contender(
+def runner_up(
     numels: list[int],
     world_size: int,
     profile: Profile,
@@ -266,15 +266,15 @@ def contender(
     within: float = MARGIN,
     dtypes: list[torch.dtype] | None = None,
 ) -> list[Prediction] | None:
-    """The plan to try beside ``plan`` (:func:`choose`'s), or None: per bucket the fastest
+    """The plan to try beside ``plan`` (:func:`best_plan`'s), or None: per bucket the fastest
     other pair predicted within ``within`` of the plan's choice either way (where the model
     cannot tell them apart), the plan's choice where none is. None where no bucket has one.
 
     Another compressor comes before another algorithm of the same one: the codecs' times
     are what the model misses most (they depend on what else the cores do). A pair
-    predicted far faster is no contender: :func:`choose` kept it out for a reason (the
+    predicted far faster is no runner-up: :func:`best_plan` kept it out for a reason (the
     margin over dense, the overlap with the backward pass)."""
-    pairs = choices(candidates, world_size, profile.nodes)
+    pairs = routes(candidates, world_size, profile.nodes)
     other, found = [], False
     for numel, dtype, chosen in zip(numels, _dtypes(dtypes, numels), plan, strict=True):
         close = [

@@ -13,7 +13,7 @@ SAFE = ("none", "bf16", "int8", "int4")
 _SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": "block", "int4": "block"}
 
 
-def candidate(spec: str | Compressor) -> Compressor:
+def from_spec(spec: str | Compressor) -> Compressor:
     """A compressor from ``"int8"``, ``"topk@0.01"``, ``"int4:block=128"`` or an instance."""
     if isinstance(spec, Compressor):
         return spec
