@@ -278,7 +278,7 @@ def _plan(args) -> int:
         return 2
     print(
         f"all-reduce of {args.numel:,} fp32 elements; link {link.bandwidth * 8 / 1e9:g} Gbit/s per rank, "
-        f"{link.latency * 1e6:g} us per step; bytes one rank sends (ring model) and predicted ms"
+        f"{link.latency * 1e6:g} us a ring step; bytes one rank sends (ring model) and predicted ms"
     )
     header = ["compressor", "algorithm"] + [f"W={w}" for w in args.world_sizes]
     lines = []
@@ -370,13 +370,13 @@ def _decide(args) -> int:
     print(
         f"{args.params:,} {kind} parameters in {len(buckets)} buckets of {args.bucket_mb:g} MB, "
         f"{world} ranks; "
-        f"link {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, {link.latency * 1e6:.3g} us per step; "
+        f"link {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, {link.latency * 1e6:.3g} us a ring step; "
         f"compress and decode times of {profile.device} ({profile.note})"
     )
     if args.node_size is not None:
         print(
             f"nodes of {args.node_size} ranks: inside one {inside.bandwidth * 8 / 1e9:.3g} Gbit/s per rank, "
-            f"{inside.latency * 1e6:.3g} us per step; the link above is each rank's share between nodes"
+            f"{inside.latency * 1e6:.3g} us a ring step; the link above is each rank's share between nodes"
         )
     try:
         totals = []

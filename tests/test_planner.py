@@ -619,7 +619,7 @@ def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys
     assert f"auto picks: int4 (two_phase) for {buckets} buckets" in text
     # A faster link given on the command line replaces the profile's.
     assert cli.main([*argv, "--bandwidth", "400gbit", "--latency", "5us"]) == 0
-    assert "link 400 Gbit/s per rank, 5 us per step" in capsys.readouterr().out
+    assert "link 400 Gbit/s per rank, 5 us a ring step" in capsys.readouterr().out
     # bf16 gradients: twice the elements a bucket, half the bytes dense, and no cast to bf16.
     assert cli.main([*argv, "--dtype", "bf16"]) == 0
     text = capsys.readouterr().out
@@ -638,7 +638,7 @@ def test_plan_on_nodes_weighs_hierarchical_with_the_link_inside_a_node(tmp_path,
     # 1 Gbit/s between nodes, NVLink-like inside: the shard's int4 between nodes wins.
     assert cli.main([*argv, "--intra-bandwidth", "7200gbit", "--intra-latency", "5us"]) == 0
     text = capsys.readouterr().out
-    assert "nodes of 8 ranks: inside one 7.2e+03 Gbit/s per rank, 5 us per step" in text
+    assert "nodes of 8 ranks: inside one 7.2e+03 Gbit/s per rank, 5 us a ring step" in text
     rows = {tuple(line.split()[:2]) for line in text.splitlines()}
     expected = {("int8", "two_phase"), ("int4", "hierarchical(two_phase)"), ("bf16", "hierarchical(dense)")}
     assert expected <= rows

@@ -1,4 +1,9 @@
-"""The README's Python snippets, run as a user would (adapted to CPUs and Gloo where they say so)."""
+"""The README's Python snippets, run as a user would (adapted to CPUs and Gloo where they say so).
+
+Each snippet the suite runs follows a marker, ``<!-- test: NAME -->``, on the line before its
+code block: the tests find it by name, so that the README can move, add or drop prose and
+examples around it.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +17,63 @@ from utils import run_ranks, same_on_all_ranks
 import gradcomp
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+MARKED = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", flags=re.S)
+# Every marked block, and the test that runs it.
+RUN = {
+    "ddp": "test_readme_snippets_run",
+    "checkpoint": "test_readme_snippets_run",
+    "hierarchical": "test_readme_snippets_run",
+    "auto": "test_readme_snippets_run",
+    "compressed-adam": "test_readme_snippets_run",
+    "all-reduce": "test_readme_snippets_run",
+    "lightning": "test_readme_lightning_snippet_builds_a_trainer_with_the_callback",
+}
 
 
-def python_blocks() -> list[str]:
+def readme() -> str:
     with open(README) as file:
-        return re.findall(r"```python\n(.*?)```", file.read(), flags=re.S)
+        return file.read()
 
 
-def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str) -> None:
+def marked_blocks() -> dict[str, str]:
+    """Each marked Python block of the README by its marker's name."""
+    blocks = {}
+    for name, code in MARKED.findall(readme()):
+        assert name not in blocks, f"README.md marks two blocks <!-- test: {name} -->"
+        blocks[name] = code
+    return blocks
+
+
+def block(name: str) -> str:
+    blocks = marked_blocks()
+    assert name in blocks, f"README.md has no Python block after <!-- test: {name} -->"
+    return blocks[name]
+
+
+def test_every_python_block_of_the_readme_is_marked_and_run():
+    text = readme()
+    markers = re.findall(r"<!-- test: ([\w-]+) -->", text)
+    blocks = marked_blocks()
+    assert len(markers) == len(blocks), "a <!-- test: --> marker is not followed by a ```python block"
+    assert text.count("```python\n") == len(blocks), "a Python block of README.md has no test marker"
+    assert sorted(blocks) == sorted(RUN), "a marked README block was added or removed: run it here too"
+
+
+def _training(module, loader, loss_fn, lr: float, **names) -> dict:
+    """The names a README training loop expects from the user's script."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    return {"gradcomp": gradcomp, "loader": loader, "loss_fn": loss_fn, "optimizer": optimizer, **names}
+
+
+def _run_snippets(rank: int, world_size: int, blocks: dict[str, str], directory: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     os.chdir(directory)
-    ddp, _, adam, calls, auto, hierarchical = blocks
     # The DDP example, on CPUs: the group is up already, and there is no GPU to move to.
-    on_cpu = ddp.replace('dist.init_process_group("nccl")', "pass").replace(
-        "net.cuda(), device_ids=[local_rank]", "net"
+    on_cpu = (
+        blocks["ddp"]
+        .replace('dist.init_process_group("nccl")', "pass")
+        .replace("net.cuda(), device_ids=[local_rank]", "net")
     )
     assert on_cpu.count("pass") == 1 and "cuda" not in on_cpu.replace('"gloo" on CPUs', "")
     torch.manual_seed(0)
@@ -35,19 +82,19 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     loader = [
         (torch.randn(16, 32, generator=generator), torch.randint(0, 4, (16,), generator=generator))
     ] * 12
-    scope = {
-        "net": net,
-        "local_rank": rank,
-        "loader": loader,
-        "loss_fn": torch.nn.functional.cross_entropy,
-        "optimizer": torch.optim.SGD(net.parameters(), lr=0.05),
-    }
+    scope = _training(net, loader, torch.nn.functional.cross_entropy, lr=0.05, net=net, local_rank=rank)
     exec(on_cpu, scope)
     assert scope["state"].last_stats.ratio > 3  # compressed after the 10 dense steps
-    assert os.path.exists(f"hook-rank{rank}.pt")
+
+    # The distributed checkpoint, of the model just trained: saved and loaded back.
+    exec(blocks["checkpoint"], scope)
+    assert os.path.isdir("checkpoint") and scope["state"].step == len(loader)
+    assert len(scope["state"].feedback) > 0  # this rank's residuals came back
 
     # CompressedAdam, on CPUs, its warm-up shortened to fit the 12 batches.
-    on_cpu = adam.replace("net.cuda()", "net").replace("warmup_steps=120", "warmup_steps=4")
+    on_cpu = (
+        blocks["compressed-adam"].replace("net.cuda()", "net").replace("warmup_steps=120", "warmup_steps=4")
+    )
     assert "cuda" not in on_cpu and "warmup_steps=4" in on_cpu
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
@@ -59,40 +106,40 @@ def _run_snippets(rank: int, world_size: int, blocks: list[str], directory: str)
     assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
 
     scope = {"gradcomp": gradcomp, "grad": torch.randn(4096, generator=generator)}
-    exec(calls, scope)
+    exec(blocks["all-reduce"], scope)
     assert scope["stats"].ratio > 3 and scope["work"].is_completed()
     assert scope["chosen"].compressor in gradcomp.planner.SAFE and scope["chosen"].algorithm
     assert scope["approx"].shape == scope["grad"].shape and scope["payload"].nbytes < 4096
 
-    # "auto": dense for 2 steps, then a plan measured on this group, the same on every rank.
+    # "auto": dense for its warm-up, then a plan measured on this group, the same on every rank.
     model = DistributedDataParallel(torch.nn.Linear(256, 256))
-    scope = {"gradcomp": gradcomp, "model": model}
-    exec(auto, scope)
-    for _ in range(3):
-        model(torch.randn(8, 256, generator=generator)).sum().backward()
+    loader = [(torch.randn(8, 256, generator=generator), torch.randn(8, 256, generator=generator))] * 12
+    scope = _training(model, loader, torch.nn.functional.mse_loss, lr=0.01, model=model)
+    exec(blocks["auto"], scope)
     plan = scope["state"].plan
     assert len(plan) == 1 and plan[0].numel == 256 * 256 + 256 and plan[0].compressor in gradcomp.planner.SAFE
+    assert isinstance(scope["state"].trials, list)
     everyone = [None] * world_size
     torch.distributed.all_gather_object(everyone, plan)
     assert all(p == plan for p in everyone)
 
     model = DistributedDataParallel(torch.nn.Linear(64, 64))
     scope = {"gradcomp": gradcomp, "model": model}
-    exec(hierarchical, scope)
+    exec(blocks["hierarchical"], scope)
     model(torch.randn(8, 64)).sum().backward()
     assert scope["state"].last_stats.bytes_sent > 0
 
 
 @pytest.mark.slow
 def test_readme_snippets_run(tmp_path):
-    blocks = python_blocks()
-    assert len(blocks) == 6, "a README snippet was added or removed: run it here too"
-    run_ranks(_run_snippets, 2, blocks, str(tmp_path))
+    ran = [name for name, test in RUN.items() if test == "test_readme_snippets_run"]
+    run_ranks(_run_snippets, 2, {name: block(name) for name in ran}, str(tmp_path))
 
 
 def test_readme_lightning_snippet_builds_a_trainer_with_the_callback():
-    lightning = pytest.importorskip("lightning", reason="the Lightning extra is not installed")
-    scope = {"lightning": lightning}
-    exec(python_blocks()[1], scope)
+    code = block("lightning")
+    pytest.importorskip("lightning", reason="the Lightning extra is not installed")
+    scope = {}
+    exec(code, scope)
     callbacks = [type(c).__name__ for c in scope["trainer"].callbacks]
     assert "GradientCompression" in callbacks
