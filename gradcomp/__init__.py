@@ -8,7 +8,7 @@ Example:
     >>> gradcomp.ddp.register(ddp_model, "topk", ratio=0.01)
 """
 
-from gradcomp import collectives, ddp, ops, optim, planner, profiling, spawn
+from gradcomp import collectives, ddp, fsdp, ops, optim, planner, profiling, spawn
 from gradcomp.collectives import all_reduce
 from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
 from gradcomp.feedback import ErrorFeedback
@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce",
     "collectives",
     "ddp",
+    "fsdp",
     "get_compressor",
     "ops",
     "optim",

@@ -1,0 +1,42 @@
+"""Jobs run in the caller's thread, on the caller's CUDA stream, over the group itself.
+
+The worker (:mod:`~gradcomp.collectives.worker`) exists for callers that must
+not wait (DDP's bucket hooks). A caller that runs its communication in
+program order on a stream of its own choosing (FSDP2 calls its reduce-scatter
+and all-reduce hooks on its own streams, one unit after another, in the same
+order on every rank) runs a job where it stands: no thread, no clone of the
+group, no event between streams; the collectives go on ``group`` in the
+caller's order, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from gradcomp.collectives.dispatch import job_steps
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.stats import ReduceStats
+from gradcomp.collectives.worker import drive
+
+
+class InlineGroup:
+    """What the algorithms read of a :class:`~gradcomp.collectives.worker.CollectiveQueue`
+    (``group``, ``rank``, ``world_size``, the settings verified so far), for jobs run
+    in the caller's thread on ``group`` itself."""
+
+    __slots__ = ("group", "rank", "world_size", "verified", "hierarchies", "layout_exchanges", "lock")
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.verified: set[tuple] = set()
+        self.hierarchies: dict = {}
+        self.layout_exchanges = 0
+        self.lock = threading.Lock()
+
+    def run(self, job: Job) -> ReduceStats:
+        """Run ``job`` to its end here, now: its statistics."""
+        return drive(job_steps(job, self))

@@ -1,0 +1,214 @@
+"""Compressed FSDP2: gradcomp's compressors in the reductions of a model sharded with
+``torch.distributed.fsdp.fully_shard``.
+
+Two plug points of FSDP2, per unit (each module ``fully_shard`` was applied to):
+
+* the **all-reduce between replicas** (custom HSDP): with each unit sharded on
+  a node's ranks, ``FSDPModule.set_all_reduce_hook`` hands gradcomp each unit's
+  reduce-scattered gradient shard, which it all-reduces compressed across the
+  ``replicate_group`` (the ranks holding the same shard on the other nodes):
+  the only traffic between nodes;
+* the **reduce-scatter** itself (``FSDPModule.set_custom_reduce_scatter``):
+  each destination rank's row encoded with its error feedback, one
+  all-to-all, the received rows decoded and summed in fp32.
+
+Both run in the caller's thread on the stream FSDP calls them on (FSDP orders
+them), in the same order on every rank: no worker thread.
+
+Example:
+    >>> mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    >>> for block in model.blocks:
+    ...     fully_shard(block, mesh=mesh["shard"])
+    >>> fully_shard(model, mesh=mesh["shard"])
+    >>> state = gradcomp.fsdp.register(model, "int8", replicate_group=mesh["replicate"].get_group())
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+from gradcomp import planner
+from gradcomp.collectives import as_chooser, verify_settings
+from gradcomp.collectives.inline import InlineGroup
+from gradcomp.collectives.reduce_scatter import check_reduce_scatter_compressor
+from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.ddp.checkpoint import Checkpointable
+from gradcomp.fsdp.state import RESIDUALS, FSDPOptions, FSDPState
+
+__all__ = ["RESIDUALS", "Checkpointable", "CompressedReduceScatter", "FSDPOptions", "FSDPState", "register"]
+
+OPTIONS = ("warmup_steps", "min_numel", "algorithm", "residual", "history")
+
+
+def register(
+    model: torch.nn.Module,
+    compressor: Compressor | str,
+    *,
+    replicate_group: dist.ProcessGroup | None = None,
+    reduce_scatter: Compressor | str | None = None,
+    **options,
+) -> FSDPState:
+    """Compress the gradient reductions of every FSDP2 unit of ``model``; the state.
+
+    Args:
+        model: a model with ``fully_shard`` applied (to it and to its blocks), each
+            unit on a 1-D mesh (not native 2-D HSDP), one parameter group a unit.
+        compressor: with ``replicate_group``, the all-reduce between replicas'
+            (any compressor, ``"auto"`` included); without, the reduce-scatter's
+            (a quantizer or a 16-bit cast).
+        replicate_group: the group of the ranks that hold this rank's shard on the
+            other nodes (``mesh["replicate"].get_group()``).
+        reduce_scatter: with ``replicate_group``, a compressor for FSDP's
+            reduce-scatter inside the node too (``"bf16"``); None keeps FSDP's own.
+        options: :class:`FSDPOptions` (``warmup_steps``, ``min_numel``,
+            ``algorithm``, ``residual``, ``history``) and the compressor's own.
+
+    Every rank must call it with the same settings (ranks that differ raise).
+    """
+    units = fsdp_units(model)
+    fsdp_options = FSDPOptions(**{k: options.pop(k) for k in OPTIONS if k in options})
+    if replicate_group is None:
+        if reduce_scatter is not None:
+            raise ValueError(
+                "reduce_scatter= names the reduce-scatter's compressor beside a replicate_group; "
+                "without one, the compressor is the reduce-scatter's"
+            )
+        replicate, scatter = None, _scatter_compressor(compressor, options)
+    else:
+        auto = isinstance(compressor, str) and planner.is_auto(compressor)
+        replicate = as_chooser(compressor) if auto else None
+        if replicate is not None and options:
+            raise ValueError(f"compressor='auto' takes no compressor options, got {sorted(options)}")
+        replicate = replicate or get_compressor(compressor, **options)
+        if isinstance(replicate, Compressor) and replicate.low_rank:
+            raise ValueError(
+                f"{replicate.name!r} needs the gradients' matrices; FSDP hands the replicas a flat shard"
+            )
+        scatter = None if reduce_scatter is None else _scatter_compressor(reduce_scatter, {})
+    state = FSDPState(replicate, scatter, replicate_group, fsdp_options)
+    device = _device_of(model)
+    world = InlineGroup(None)
+    verify_settings(world, "gradcomp.fsdp.register's settings", state.settings(), device)
+    if replicate_group is not None:
+        _check_replicas(units, replicate_group, device)
+    for index, (unit, param_group) in enumerate(units):
+        if replicate is not None:
+            unit.set_all_reduce_hook(ReplicateHook(state, index, param_group))
+        if scatter is not None:
+            unit.set_custom_reduce_scatter(CompressedReduceScatter(state, index, param_group))
+    return state
+
+
+class ReplicateHook:
+    """``set_all_reduce_hook``'s hook of one unit: its gradient shard all-reduced across
+    the replicas, compressed. Under ``set_requires_all_reduce(False)`` (FSDP calls the
+    hook all the same) the shard is held back and zeroed, and added to the next one
+    that is all-reduced, as native HSDP does."""
+
+    def __init__(self, state: FSDPState, unit: int, param_group):
+        self.state, self.unit, self.param_group = state, unit, param_group
+
+    def __call__(self, output: torch.Tensor) -> None:
+        state, unit = self.state, self.unit
+        held = state.partial.get(unit)
+        if not self.param_group.all_reduce_grads:
+            if held is None:
+                state.partial[unit] = output.clone()
+            else:
+                held += output
+            output.zero_()  # FSDP accumulates it into .grad next: nothing yet
+            return
+        if held is not None:
+            output += held
+            del state.partial[unit]
+        # FSDP divides by the shard group's size (AVG); a divide factor the user sets is the whole
+        # world's, applied in the reduce-scatter (PREMUL_SUM), and the hook must only sum.
+        op = "sum" if self.param_group.gradient_divide_factor is not None else "avg"
+        state.replicate(unit, output, op)
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """``set_custom_reduce_scatter``'s comm of one unit: FSDP's reduce-scatter, compressed."""
+
+    def __init__(self, state: FSDPState, unit: int, param_group):
+        self.state, self.unit, self.param_group = state, unit, param_group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        factor = self.param_group.gradient_divide_factor
+        self.state.scatter(self.unit, output_tensor, input_tensor, group, op, factor)
+        return None
+
+
+def fsdp_units(model: torch.nn.Module) -> list[tuple[FSDPModule, object]]:
+    """Every FSDP2 unit of ``model`` with parameters, and its one parameter group, in
+    module order (the same on every rank); ``ValueError`` for what cannot be compressed."""
+    units = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(
+                f"FSDP unit {name or '(root)'!r} holds {len(groups)} parameter groups (shard_placement_fn "
+                "with several meshes): gradcomp compresses units of one parameter group"
+            )
+        if not groups:
+            continue
+        if isinstance(groups[0].mesh_info, DDPMeshInfo):
+            raise ValueError(
+                f"FSDP unit {name or '(root)'!r} is on a 2-D mesh (native HSDP): FSDP all-reduces between "
+                "replicas before any hook and that all-reduce cannot be compressed. Shard each unit on the "
+                "mesh's shard dimension (fully_shard(module, mesh=mesh['shard'])) and pass "
+                "replicate_group=mesh['replicate'].get_group()"
+            )
+        units.append((module, groups[0]))
+    if not units:
+        raise TypeError(
+            "register needs a model sharded with torch.distributed.fsdp.fully_shard, "
+            f"got {type(model).__name__}"
+        )
+    return units
+
+
+def _scatter_compressor(compressor, options: dict) -> Compressor:
+    if isinstance(compressor, str) and planner.is_auto(compressor):
+        raise ValueError(
+            "the reduce-scatter takes a compressor, not 'auto' ('auto' chooses the replicas' all-reduce)"
+        )
+    compressor = get_compressor(compressor, **options)
+    check_reduce_scatter_compressor(compressor)
+    return compressor
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def _check_replicas(units, replicate_group: dist.ProcessGroup, device: torch.device) -> None:
+    """``ValueError`` on every rank of the replicas unless each holds the same shard of
+    the same units: the same place in a shard group of the same size."""
+    mine = []
+    for module, param_group in units:
+        info = param_group.mesh_info
+        shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False))
+        mine.append((info.shard_mesh_rank, info.shard_mesh_size, shapes))
+    everyone = [None] * dist.get_world_size(replicate_group)
+    dist.all_gather_object(everyone, mine, group=replicate_group)
+    if any(other != mine for other in everyone):
+        ranks = dist.get_process_group_ranks(replicate_group)
+        places = ", ".join(
+            f"rank {r}: shard {o[0][0]} of {o[0][1]}" for r, o in zip(ranks, everyone, strict=True)
+        )
+        raise ValueError(
+            "replicate_group does not fit the mesh: its ranks must hold the same shard (the same rank in "
+            f"shard groups of one size, the same units); found {places}"
+        )

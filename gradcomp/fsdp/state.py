@@ -1,0 +1,255 @@
+"""What gradcomp keeps for a model sharded with FSDP2: the options, the step, the
+residuals, the statistics, and the two reductions its comms run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import HIERARCHICAL, Chooser, Job, ReduceStats, check_algorithm, key_of
+from gradcomp.collectives.chooser import chosen_steps
+from gradcomp.collectives.inline import InlineGroup
+from gradcomp.collectives.reduce_scatter import compressed_reduce_scatter, padded_row, reduce_scatter_bytes
+from gradcomp.collectives.worker import drive
+from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.ddp.stats import StepLedger, StepStats
+from gradcomp.feedback import ErrorFeedback
+
+SCHEMA_VERSION = 1
+RESIDUALS = ("full", "bf16", None)
+_NONE = get_compressor("none")
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPOptions:
+    """The options of :func:`gradcomp.fsdp.register`, checked when made.
+
+    Attributes:
+        warmup_steps: the first steps (backward passes that communicate)
+            reduce dense.
+        min_numel: a unit whose gradient shard (replicate all-reduce) or
+            reduce-scatter input has fewer elements reduces dense.
+        algorithm: the replicate all-reduce's algorithm (default from the
+            compressor and the replicate group's size); not ``"hierarchical"``.
+        residual: the reduce-scatter's error feedback: ``"full"`` (an fp32
+            residual the size of the unit's unsharded gradient), ``"bf16"``
+            (the same in bf16: half the memory) or None (none).
+        history: how many steps' statistics to keep.
+    """
+
+    warmup_steps: int = 0
+    min_numel: int = 0
+    algorithm: str | None = None
+    residual: str | None = "full"
+    history: int = 1000
+
+    def __post_init__(self):
+        for name in ("warmup_steps", "min_numel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"history must be an int >= 1, got {self.history!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.algorithm == HIERARCHICAL:
+            raise ValueError(
+                "algorithm='hierarchical' does not apply to the replicate all-reduce: the replicate "
+                "group holds one rank a node already (shard inside each node with fully_shard)"
+            )
+
+
+class FSDPState:
+    """gradcomp's state for an FSDP2 model (:func:`gradcomp.fsdp.register` makes it).
+
+    Attributes:
+        compressor: the replicate all-reduce's compressor or chooser (None without
+            a replicate group).
+        reduce_scatter: the reduce-scatter's compressor (None: FSDP's own).
+        replicate_group: the group of this rank's replicas (None: none).
+        step: backward passes that communicated so far (each unit once at most).
+        feedback: the replicate all-reduces' residuals, per unit.
+        scatter_feedback: the reduce-scatters' residuals, per unit.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor | Chooser | None,
+        reduce_scatter: Compressor | None,
+        replicate_group: dist.ProcessGroup | None,
+        options: FSDPOptions,
+    ):
+        self.compressor = compressor
+        self.reduce_scatter = reduce_scatter
+        self.replicate_group = replicate_group
+        self.options = options
+        self.process_group = None  # the world: checkpoints are per global rank
+        self.step = 0
+        self.feedback = ErrorFeedback()
+        self.scatter_feedback = ErrorFeedback()  # fp32, or bf16 with residual="bf16"
+        self.ledger = StepLedger(options.history)
+        self.partial: dict[int, torch.Tensor] = {}  # unit -> reduce-scatter outputs held back
+        self._open: StepStats | None = None
+        self._callback_queued = False
+        self._replicas = InlineGroup(replicate_group) if replicate_group is not None else None
+        self._shard_groups: dict[dist.ProcessGroup, InlineGroup] = {}
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def stats(self) -> list[StepStats]:
+        """The last ``history`` steps' statistics, oldest first."""
+        return self.ledger.closed
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.ledger.closed[-1] if self.ledger.closed else None
+
+    def settings(self) -> dict:
+        """What every rank must agree on."""
+        compressor = self.compressor
+        described = None if compressor is None else repr(sorted(compressor.settings().items()))
+        scatter = self.reduce_scatter
+        scatter = None if scatter is None else repr(sorted(scatter.settings().items()))
+        return {
+            "compressor": described,
+            "reduce_scatter": scatter,
+            "replicate_size": None if self._replicas is None else self._replicas.world_size,
+            **dataclasses.asdict(self.options),
+        }
+
+    # ------------------------------------------------------------------ the reductions
+    def replicate(self, unit: int, output: torch.Tensor, op: str) -> None:
+        """All-reduce unit ``unit``'s gradient shard ``output`` across the replicas, in place."""
+        replicas = self._replicas
+        dense = self.step < self.options.warmup_steps or output.numel() < self.options.min_numel
+        job = Job(output, _NONE, op, "dense", None, key_of((unit, "replicate")), self.step)
+        if dense:
+            stats, how = replicas.run(job), "none dense"
+        elif isinstance(self.compressor, Compressor):
+            job.compressor, job.feedback = self.compressor, self.feedback
+            job.algorithm = check_algorithm(self.compressor, self.options.algorithm, replicas.world_size)
+            stats = replicas.run(job)
+            how = f"{self.compressor.name} {job.algorithm}"
+        else:  # a chooser ("auto")
+            job.compressor, job.feedback, job.algorithm = None, self.feedback, None
+            stats = drive(chosen_steps(self.compressor, job, replicas))
+            how = f"{stats.compressor} {stats.algorithm}"
+        stats.bytes_sent_inter = stats.bytes_sent
+        self._record(unit, stats, how)
+
+    def scatter(
+        self, unit: int, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op, factor
+    ) -> None:
+        """FSDP's reduce-scatter of unit ``unit``, compressed: ``op`` is FSDP's (AVG, SUM,
+        or a PREMUL_SUM by ``1 / factor``)."""
+        shard_group = self._shard_groups.get(group)
+        if shard_group is None:
+            shard_group = self._shard_groups[group] = InlineGroup(group)
+        world = shard_group.world_size
+        divisor, scale = _divisors(op, world, factor)
+        if self.step < self.options.warmup_steps or input.numel() < self.options.min_numel:
+            dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group)
+            if divisor != 1:
+                output.div_(divisor)
+            nbytes = input.numel() * input.element_size()
+            stats = ReduceStats(reduce_scatter_bytes(nbytes, world), reduce_scatter_bytes(nbytes, world))
+            how = "none reduce_scatter"
+        else:
+            numel = world * padded_row(self.reduce_scatter, output.numel())
+            residual = self._scatter_residual(unit, numel, input.device)
+            stats = compressed_reduce_scatter(
+                output,
+                input,
+                self.reduce_scatter,
+                group,
+                divisor=divisor,
+                residual=residual,
+                step=self.step,
+                key=key_of((unit, "reduce_scatter")),
+            )
+            how = f"{self.reduce_scatter.name} reduce_scatter"
+        if scale is not None:
+            output.mul_(scale)
+        if self._replicas is not None:
+            stats.bytes_sent_intra = stats.bytes_sent  # the shard group: inside a node
+        self._record(unit, stats, f"{how}@rs", scatter=True)
+
+    def _scatter_residual(self, unit: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        if self.options.residual is None or not self.reduce_scatter.needs_feedback:
+            return None
+        key = key_of((unit, "reduce_scatter"))
+        residual = self.scatter_feedback.get(key)
+        if residual is None or residual.device != device:
+            dtype = torch.bfloat16 if self.options.residual == "bf16" else torch.float32
+            if residual is None:
+                residual = torch.zeros(numel, dtype=dtype, device=device)
+            self.scatter_feedback.set(key, residual.to(device))
+            residual = self.scatter_feedback.get(key)
+        if residual.numel() != numel:
+            raise ValueError(
+                f"unit {unit}'s reduce-scatter residual has {residual.numel()} elements, not {numel}"
+            )
+        return residual
+
+    def _record(self, unit: int, stats: ReduceStats, how: str, scatter: bool = False) -> None:
+        if self._open is None:
+            self._open = StepStats(self.step)
+        self._open.add(stats, compressed=not how.startswith("none "))
+        self._open.compressors[(unit, "reduce_scatter" if scatter else "replicate")] = how.removesuffix("@rs")
+        if not self._callback_queued:
+            self._callback_queued = True
+            try:  # closes the step once the backward pass has run every unit's reduction
+                torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            except RuntimeError:  # called outside a backward pass: the step closes now
+                self.end_backward()
+
+    def end_backward(self) -> None:
+        """The backward pass is over: its statistics close and the step advances."""
+        self._callback_queued = False
+        if self._open is None:
+            return
+        ledger = self.ledger
+        ledger.closed.append(self._open)
+        del ledger.closed[: max(0, len(ledger.closed) - ledger.history)]
+        self._open = None
+        self.step += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's residuals, held-back shards and step: loaded into a fresh state
+        of the same settings before the first step, a run continues bit for bit."""
+        return {
+            "version": SCHEMA_VERSION,
+            "step": self.step,
+            "settings": self.settings(),
+            "feedback": self.feedback.state_dict(),
+            "scatter_feedback": self.scatter_feedback.state_dict(),
+            "partial": {unit: t.clone() for unit, t in self.partial.items()},
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        version = saved.get("version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"gradcomp FSDP state of schema {version!r}; this version reads {SCHEMA_VERSION}"
+            )
+        if saved["settings"] != self.settings():
+            differ = sorted(k for k in self.settings() if saved["settings"].get(k) != self.settings()[k])
+            raise ValueError(f"the checkpoint's gradcomp FSDP settings differ in {differ}")
+        self.step = int(saved["step"])
+        self.feedback.load_state_dict(saved["feedback"])
+        self.scatter_feedback.load_state_dict(saved["scatter_feedback"])
+        self.partial = {int(unit): t.clone() for unit, t in saved["partial"].items()}
+
+
+def _divisors(op, world: int, factor: float | None) -> tuple[int, float | None]:
+    """(an integer divisor, a scale after it) that together apply FSDP's ``op``."""
+    if op == dist.ReduceOp.AVG:
+        return world, None
+    if op == dist.ReduceOp.SUM:
+        return 1, None
+    if factor is None:
+        raise ValueError(f"gradcomp's reduce-scatter takes AVG, SUM or FSDP's PREMUL_SUM, got {op!r}")
+    return 1, 1.0 / factor
