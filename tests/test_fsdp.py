@@ -293,11 +293,12 @@ def _resume(rank: int, world: int) -> None:
     _train(straight, state, range(2), world, rank)
     saved_model = {k: v.clone() for k, v in straight.state_dict().items()}
     saved = state.state_dict()
+    checkpoint = gradcomp.fsdp.Checkpointable(state).state_dict()  # for torch.distributed.checkpoint
     _train(straight, state, range(2, 4), world, rank)
     resumed = _sharded(shard_mesh)
     resumed.load_state_dict(saved_model)
     again = gradcomp.fsdp.register(resumed, "int4", **options)
-    again.load_state_dict(saved)
+    gradcomp.fsdp.Checkpointable(again).load_state_dict(checkpoint)
     _train(resumed, again, range(2, 4), world, rank)
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local()), "the resumed run differs"

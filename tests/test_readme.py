@@ -27,6 +27,7 @@ RUN = {
     "compressed-adam": "test_readme_snippets_run",
     "all-reduce": "test_readme_snippets_run",
     "lightning": "test_readme_lightning_snippet_builds_a_trainer_with_the_callback",
+    "fsdp": "test_readme_fsdp_snippet_compresses_between_replicas",
 }
 
 
@@ -143,3 +144,23 @@ def test_readme_lightning_snippet_builds_a_trainer_with_the_callback():
     exec(code, scope)
     callbacks = [type(c).__name__ for c in scope["trainer"].callbacks]
     assert "GradientCompression" in callbacks
+
+
+def _run_fsdp_snippet(rank: int, world_size: int, code: str) -> None:
+    # On CPUs: a "cpu" mesh of 2 nodes of 1 rank, each unit sharded on its node alone.
+    on_cpu = code.replace('init_device_mesh("cuda"', 'init_device_mesh("cpu"')
+    assert on_cpu != code
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    model.blocks = list(model)
+    scope = {"gradcomp": gradcomp, "model": model, "nodes": world_size, "gpus_per_node": 1}
+    exec(on_cpu, scope)
+    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    stats = scope["state"].last_stats
+    assert stats.buckets == 3 and stats.bytes_sent_inter == stats.bytes_sent > 0 and stats.ratio > 3
+    grads = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+    assert same_on_all_ranks(grads)
+
+
+@pytest.mark.slow
+def test_readme_fsdp_snippet_compresses_between_replicas():
+    run_ranks(_run_fsdp_snippet, 2, block("fsdp"))

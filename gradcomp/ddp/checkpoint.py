@@ -147,7 +147,8 @@ def _full(plan: list) -> list:
 
 
 class Checkpointable:
-    """A :class:`HookState` for ``torch.distributed.checkpoint`` (a ``Stateful``):
+    """A hook state (DDP's :class:`HookState`, :class:`gradcomp.fsdp.FSDPState`) for
+    ``torch.distributed.checkpoint`` (a ``Stateful``):
     one checkpoint directory holds the model, the optimizer and every rank's
     residuals, each rank's under a key of its own.
 
