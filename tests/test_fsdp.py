@@ -15,7 +15,13 @@ import torch.distributed as dist
 from utils import run_ranks
 
 import gradcomp
-from gradcomp.collectives.reduce_scatter import compressed_reduce_scatter, padded_row
+from gradcomp.collectives import hierarchy_for
+from gradcomp.collectives.inline import InlineGroup
+from gradcomp.collectives.reduce_scatter import (
+    compressed_reduce_scatter,
+    hierarchical_reduce_scatter,
+    padded_row,
+)
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -201,6 +207,35 @@ def test_reduce_scatter_within_bounds_for_each_residual():
     run_ranks(_reduce_scatter_gradients, 4)
 
 
+def _hierarchical_scatter(rank: int, world: int) -> None:
+    """A shard group over 2 nodes of 2 ranks: bf16 inside a node, int8 between; one
+    compressed row a rank crosses between nodes where the flat reduce-scatter sends two."""
+    shard_mesh, _ = _meshes(world, hsdp=False)
+    batches = _batches(0, world)
+    x, y = batches[rank]
+    crossed = {}
+    for algorithm in ("hierarchical", "flat"):
+        model, reference = _sharded(shard_mesh), _net()
+        state = gradcomp.fsdp.register(model, "int8", scatter_algorithm=algorithm, node_size=2)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        assert _error(model, _reference_grads(reference, batches)) <= 0.03
+        stats = state.last_stats
+        crossed[algorithm] = stats.bytes_sent_inter
+        if algorithm == "hierarchical":
+            assert set(stats.compressors.values()) == {"int8 hierarchical_reduce_scatter"}
+            assert 0 < stats.bytes_sent_inter and 0 < stats.bytes_sent_intra
+            assert stats.bytes_sent == stats.bytes_sent_inter + stats.bytes_sent_intra
+    # The flat reduce-scatter knows no nodes (0): a rank sends a row to each of the other node's 2.
+    assert crossed["flat"] == 0
+    flat_crossing = 2 * state.last_stats.bytes_sent // (world - 1)
+    assert crossed["hierarchical"] <= 0.51 * flat_crossing
+
+
+@pytest.mark.slow
+def test_hierarchical_reduce_scatter_sends_one_row_between_nodes():
+    run_ranks(_hierarchical_scatter, 4)
+
+
 def _divide_by(model: torch.nn.Module, factor: float) -> None:
     for module in model.modules():  # the factor is each unit's own
         if isinstance(module, fsdp.FSDPModule):
@@ -326,6 +361,8 @@ def _refusals(rank: int, world: int) -> None:
         gradcomp.fsdp.register(model, "auto")
     with pytest.raises(ValueError, match="flat shard"):
         gradcomp.fsdp.register(model, "powersgd", replicate_group=replicas)
+    with pytest.raises(ValueError, match="spans nodes"):
+        gradcomp.fsdp.register(model, "int8", replicate_group=replicas, scatter_algorithm="hierarchical")
     with pytest.raises(ValueError, match="beside a replicate_group"):
         gradcomp.fsdp.register(model, "int8", reduce_scatter="bf16")
     native = _net()
@@ -376,7 +413,21 @@ def _launches(rank: int, world: int, results: dict) -> None:
         counts.active = False
     assert not counts.syncs, f"host syncs at {world} ranks: {dict(counts.syncs)}"
     if rank == 0:
-        results[world] = counts.total_launches
+        results["flat", world] = counts.total_launches
+    if world < 4:
+        return
+    hierarchy = hierarchy_for(InlineGroup(dist.group.WORLD), 2)
+    residual = torch.zeros(world // 2 * padded_row(c, shard))
+    hierarchical_reduce_scatter(out, x.clone(), c, hierarchy, intra_dtype=torch.bfloat16, residual=residual)
+    with counted() as counts:
+        counts.active = True
+        hierarchical_reduce_scatter(
+            out, x.clone(), c, hierarchy, intra_dtype=torch.bfloat16, residual=residual
+        )
+        counts.active = False
+    assert not counts.syncs, f"hierarchical: host syncs at {world} ranks: {dict(counts.syncs)}"
+    if rank == 0:
+        results["hierarchical", world] = counts.total_launches
 
 
 @pytest.mark.slow
@@ -388,4 +439,7 @@ def test_reduce_scatter_makes_no_host_sync_and_launches_independent_of_the_world
     results = mp.Manager().dict()
     for world in (2, 4, 8):
         run_ranks(_launches, world, results)
-    assert len(set(results.values())) == 1 and results[2] <= 6, dict(results)
+    flat = {results["flat", world] for world in (2, 4, 8)}
+    hierarchical = {results["hierarchical", world] for world in (4, 8)}
+    assert len(flat) == 1 and flat.pop() <= 6, dict(results)
+    assert len(hierarchical) == 1 and hierarchical.pop() <= 12, dict(results)

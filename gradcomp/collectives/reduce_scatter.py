@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.nodes import Hierarchy
 from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, exchange
 from gradcomp.compressors import Compressor, Context, mix_seed
 from gradcomp.payload import buffer_size
@@ -91,3 +92,85 @@ def compressed_reduce_scatter(
         if row != shard:
             output.view(-1).copy_(total[:shard])
     return stats
+
+
+def hierarchical_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    compressor: Compressor,
+    hierarchy: Hierarchy,
+    *,
+    intra_dtype: torch.dtype | None = None,
+    divisor: int = 1,
+    residual: torch.Tensor | None = None,
+    step: int = 0,
+    key: int = 0,
+) -> ReduceStats:
+    """The reduce-scatter of :func:`compressed_reduce_scatter` over a group cut into
+    nodes: dense inside a node, compressed between nodes.
+
+    Inside its node, each rank gathers from every node-mate the rows meant for the
+    ranks of its own local rank on every node (an all-to-all, in ``intra_dtype``,
+    default the input's) and sums them in fp32: one row per node, the node's part of
+    that rank's shard. Those rows go between nodes through
+    :func:`compressed_reduce_scatter` over the ranks of this local rank, one a node,
+    with the sender's ``residual`` (``nodes`` rows of :func:`padded_row` elements).
+    A rank sends ``nodes - 1`` compressed rows between nodes, where the flat
+    reduce-scatter sends one to every rank of the other nodes."""
+    nodes, intra, inter = hierarchy.nodes, hierarchy.intra, hierarchy.inter
+    count, size, shard = len(nodes), intra.world_size, output.numel()
+    world = count * size
+    if input.numel() != world * shard:
+        raise ValueError(f"reduce-scatter input has {input.numel()} elements, not {world} x {shard}")
+    rows = input.view(world, shard)
+    order = _node_order(hierarchy, input.device)
+    wire = intra_dtype or input.dtype
+    stats = ReduceStats(algorithm="hierarchical_reduce_scatter")
+    nbytes = input.numel() * input.element_size()
+    stats.dense_bytes = reduce_scatter_bytes(nbytes, world)
+    if size > 1:
+        with Timer(stats, COMPRESS):
+            sent = _by_local_rank(rows, order, count, size).to(wire)
+        received = torch.empty_like(sent)
+        with exchange():
+            dist.all_to_all_single(received, sent, group=intra.group)
+        stats.bytes_sent_intra = (size - 1) * count * shard * sent.element_size()
+        with Timer(stats):
+            partial = received.view(size, count, shard).sum(0, dtype=torch.float32)
+    else:
+        partial = _by_local_rank(rows, order, count, size).float()
+    if count == 1:
+        output.copy_(partial.view(-1).div_(divisor) if divisor != 1 else partial.view(-1))
+        stats.bytes_sent = stats.bytes_sent_intra
+        return stats
+    between = output if output.dtype == torch.float32 else torch.empty(shard, device=output.device)
+    options = {"divisor": divisor, "residual": residual, "step": step, "key": key}
+    inner = compressed_reduce_scatter(between, partial.view(-1), compressor, inter.group, **options)
+    if between is not output:
+        output.copy_(between)
+    stats.bytes_sent_inter = inner.bytes_sent
+    stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
+    stats.compress_seconds += inner.compress_seconds
+    return stats
+
+
+def _node_order(hierarchy: Hierarchy, device: torch.device) -> torch.Tensor | None:
+    """For node-mate ``j``, the group ranks of local rank ``j`` node by node (``size`` x
+    ``nodes``); None where that is rank ``node * size + j`` (a view serves)."""
+    nodes = hierarchy.nodes
+    size = len(nodes[0])
+    if all(node == list(range(n * size, (n + 1) * size)) for n, node in enumerate(nodes)):
+        return None
+    key = ("reduce_scatter_order", device)
+    if key not in hierarchy.areas:  # made once: a host-to-device copy
+        ranks = [[node[j] for node in nodes] for j in range(size)]
+        hierarchy.areas[key] = torch.tensor(ranks, device=device).view(-1)
+    return hierarchy.areas[key]
+
+
+def _by_local_rank(rows: torch.Tensor, order: torch.Tensor | None, count: int, size: int) -> torch.Tensor:
+    """``rows`` (one per group rank) regrouped for the node's all-to-all: node-mate ``j``'s
+    part holds the rows of local rank ``j`` on every node, in node order (a copy)."""
+    if order is None:
+        return rows.view(count, size, -1).transpose(0, 1).contiguous()
+    return rows[order]

@@ -41,7 +41,16 @@ from gradcomp.fsdp.state import RESIDUALS, FSDPOptions, FSDPState
 
 __all__ = ["RESIDUALS", "Checkpointable", "CompressedReduceScatter", "FSDPOptions", "FSDPState", "register"]
 
-OPTIONS = ("warmup_steps", "min_numel", "algorithm", "residual", "history")
+OPTIONS = (
+    "warmup_steps",
+    "min_numel",
+    "algorithm",
+    "residual",
+    "scatter_algorithm",
+    "node_size",
+    "intra",
+    "history",
+)
 
 
 def register(
@@ -65,7 +74,8 @@ def register(
         reduce_scatter: with ``replicate_group``, a compressor for FSDP's
             reduce-scatter inside the node too (``"bf16"``); None keeps FSDP's own.
         options: :class:`FSDPOptions` (``warmup_steps``, ``min_numel``,
-            ``algorithm``, ``residual``, ``history``) and the compressor's own.
+            ``algorithm``, ``residual``, ``scatter_algorithm``, ``node_size``,
+            ``intra``, ``history``) and the compressor's own.
 
     Every rank must call it with the same settings (ranks that differ raise).
     """
@@ -89,6 +99,11 @@ def register(
                 f"{replicate.name!r} needs the gradients' matrices; FSDP hands the replicas a flat shard"
             )
         scatter = None if reduce_scatter is None else _scatter_compressor(reduce_scatter, {})
+    if fsdp_options.scatter_algorithm == "hierarchical" and (scatter is None or replicate_group is not None):
+        raise ValueError(
+            "scatter_algorithm='hierarchical' is the compressed reduce-scatter of a shard group that spans "
+            "nodes: register without replicate_group (with one, the shard group is a node)"
+        )
     state = FSDPState(replicate, scatter, replicate_group, fsdp_options)
     device = _device_of(model)
     world = InlineGroup(None)
@@ -96,6 +111,8 @@ def register(
     if replicate_group is not None:
         _check_replicas(units, replicate_group, device)
     for index, (unit, param_group) in enumerate(units):
+        if scatter is not None:  # its groups made here, in unit order on every rank
+            state.shard_group(param_group.mesh_info.shard_process_group)
         if replicate is not None:
             unit.set_all_reduce_hook(ReplicateHook(state, index, param_group))
         if scatter is not None:

@@ -8,10 +8,24 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import HIERARCHICAL, Chooser, Job, ReduceStats, check_algorithm, key_of
+from gradcomp.collectives import (
+    HIERARCHICAL,
+    Chooser,
+    Job,
+    ReduceStats,
+    check_algorithm,
+    check_node_size,
+    hierarchy_for,
+    key_of,
+)
 from gradcomp.collectives.chooser import chosen_steps
 from gradcomp.collectives.inline import InlineGroup
-from gradcomp.collectives.reduce_scatter import compressed_reduce_scatter, padded_row, reduce_scatter_bytes
+from gradcomp.collectives.reduce_scatter import (
+    compressed_reduce_scatter,
+    hierarchical_reduce_scatter,
+    padded_row,
+    reduce_scatter_bytes,
+)
 from gradcomp.collectives.worker import drive
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.ddp.stats import StepLedger, StepStats
@@ -36,6 +50,14 @@ class FSDPOptions:
         residual: the reduce-scatter's error feedback: ``"full"`` (an fp32
             residual the size of the unit's unsharded gradient), ``"bf16"``
             (the same in bf16: half the memory) or None (none).
+        scatter_algorithm: the reduce-scatter's: ``"flat"`` (every row compressed
+            to its rank) or ``"hierarchical"`` (a shard group spanning nodes: an
+            all-to-all inside each node in ``intra``, then compressed rows between
+            nodes, one a node).
+        node_size: ranks per node for ``"hierarchical"`` (consecutive ranks of the
+            shard group); default torchrun's ``LOCAL_WORLD_SIZE``, else host names.
+        intra: the dtype rows travel in inside a node: ``"bf16"`` (default) or None
+            (the gradients' reduce dtype).
         history: how many steps' statistics to keep.
     """
 
@@ -43,6 +65,9 @@ class FSDPOptions:
     min_numel: int = 0
     algorithm: str | None = None
     residual: str | None = "full"
+    scatter_algorithm: str = "flat"
+    node_size: int | None = None
+    intra: str | None = "bf16"
     history: int = 1000
 
     def __post_init__(self):
@@ -54,6 +79,13 @@ class FSDPOptions:
             raise ValueError(f"history must be an int >= 1, got {self.history!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.scatter_algorithm not in ("flat", HIERARCHICAL):
+            raise ValueError(
+                f"scatter_algorithm must be 'flat' or 'hierarchical', got {self.scatter_algorithm!r}"
+            )
+        if self.intra not in ("bf16", None):
+            raise ValueError(f"intra must be 'bf16' or None, got {self.intra!r}")
+        check_node_size(self.node_size)
         if self.algorithm == HIERARCHICAL:
             raise ValueError(
                 "algorithm='hierarchical' does not apply to the replicate all-reduce: the replicate "
@@ -139,14 +171,23 @@ class FSDPState:
         stats.bytes_sent_inter = stats.bytes_sent
         self._record(unit, stats, how)
 
+    def shard_group(self, group: dist.ProcessGroup) -> InlineGroup:
+        """The inline group of a unit's shard group (made once; with
+        ``scatter_algorithm="hierarchical"`` its nodes' groups too: call it on every
+        rank in the same order, as register does)."""
+        inline = self._shard_groups.get(group)
+        if inline is None:
+            inline = self._shard_groups[group] = InlineGroup(group)
+            if self.options.scatter_algorithm == HIERARCHICAL and self.reduce_scatter is not None:
+                hierarchy_for(inline, self.options.node_size)
+        return inline
+
     def scatter(
         self, unit: int, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op, factor
     ) -> None:
         """FSDP's reduce-scatter of unit ``unit``, compressed: ``op`` is FSDP's (AVG, SUM,
         or a PREMUL_SUM by ``1 / factor``)."""
-        shard_group = self._shard_groups.get(group)
-        if shard_group is None:
-            shard_group = self._shard_groups[group] = InlineGroup(group)
+        shard_group = self.shard_group(group)
         world = shard_group.world_size
         divisor, scale = _divisors(op, world, factor)
         if self.step < self.options.warmup_steps or input.numel() < self.options.min_numel:
@@ -156,6 +197,28 @@ class FSDPState:
             nbytes = input.numel() * input.element_size()
             stats = ReduceStats(reduce_scatter_bytes(nbytes, world), reduce_scatter_bytes(nbytes, world))
             how = "none reduce_scatter"
+        elif self.options.scatter_algorithm == HIERARCHICAL:
+            hierarchy = hierarchy_for(shard_group, self.options.node_size)
+            numel = len(hierarchy.nodes) * padded_row(self.reduce_scatter, output.numel())
+            residual = self._scatter_residual(unit, numel, input.device)
+            intra = (
+                None
+                if self.options.intra is None
+                else getattr(torch, {"bf16": "bfloat16"}[self.options.intra])
+            )
+            key = key_of((unit, "reduce_scatter"))
+            stats = hierarchical_reduce_scatter(
+                output,
+                input,
+                self.reduce_scatter,
+                hierarchy,
+                intra_dtype=intra,
+                divisor=divisor,
+                residual=residual,
+                step=self.step,
+                key=key,
+            )
+            how = f"{self.reduce_scatter.name} hierarchical_reduce_scatter"
         else:
             numel = world * padded_row(self.reduce_scatter, output.numel())
             residual = self._scatter_residual(unit, numel, input.device)
