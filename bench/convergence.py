@@ -127,6 +127,13 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--steps", type=int, default=600, help="lm: optimizer steps (default 600)")
     top.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="lm: shard the model with FSDP2 and compress through gradcomp.fsdp: each compressor "
+        "between the replicas of 2 nodes (custom HSDP), or with via=reduce_scatter in the "
+        "reduce-scatter of all ranks; dense is plain FSDP2; no torch hooks, no CompressedAdam",
+    )
+    top.add_argument(
         "--corpus-bytes", type=int, default=2_000_000, help="lm: bytes of text, a tenth held out (default 2M)"
     )
     top.add_argument(

@@ -369,6 +369,19 @@ def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
 
 
 @pytest.mark.slow
+def test_convergence_lm_task_runs_under_fsdp2_between_replicas_and_in_the_reduce_scatter(tmp_path):
+    args = ["--task", "lm", "--fsdp", "--spawn", "2", "--steps", "3", "--corpus-bytes", "40000"]
+    specs = ["int8", "int8:via=reduce_scatter,residual=bf16"]
+    run_script("convergence.py", *args, "--compressors", *specs, "--out", str(tmp_path))
+    rows, document = read_results(tmp_path, stem("convergence-lm-fsdp"))
+    assert [r["run"] for r in rows] == ["dense", "int8", "int8,via=reduce_scatter,residual=bf16"]
+    # Bytes from gradcomp's statistics: 3.9x fewer than the same reduction dense.
+    assert all(3.8 < float(r["ratio"]) < 4 for r in rows[1:])
+    assert all(math.isfinite(float(r["validation_loss"])) for r in rows)
+    assert len({curve[0][1] for curve in document["curves"].values()}) == 1
+
+
+@pytest.mark.slow
 def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
     args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
     adam = [

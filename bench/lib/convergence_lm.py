@@ -68,15 +68,37 @@ EXACT = ("vectors", "embeddings")
 ONE_BUCKET_MB = 4096.0
 
 
-def lm_runs(specs: list[str], baselines: list[str], adam: list[str] = (), steps: int = 600) -> list[dict]:
+def lm_runs(
+    specs: list[str], baselines: list[str], adam: list[str] = (), steps: int = 600, fsdp: bool = False
+) -> list[dict]:
     """Dense, then torch's hooks, then every compressor (its default error
-    feedback), then the CompressedAdam runs (of ``steps`` steps)."""
+    feedback), then the CompressedAdam runs (of ``steps`` steps). With ``fsdp``, a
+    spec may also hold ``gradcomp.fsdp.register``'s options and ``via``."""
     runs = [dict(label="dense", kind="dense", name=None, options={})]
     runs += [dict(label=LM_LABELS[b], kind=b, name=None, options={}) for b in baselines]
     for spec in specs:
+        spec, sharded = _fsdp_options(spec) if fsdp else (spec, {})
         label, name, options = parse_run(spec)
-        runs.append(dict(label=label, kind="gradcomp", name=name, options=options))
+        runs.append(dict(label=label, kind="gradcomp", name=name, options={**options, **sharded}))
+        if sharded:
+            runs[-1]["label"] = ",".join(filter(None, [label, *(f"{k}={v}" for k, v in sharded.items())]))
     return runs + [parse_adam(spec, steps) for spec in adam]
+
+
+FSDP_OPTIONS = ("via", "residual", "scatter_algorithm", "node_size", "intra")
+
+
+def _fsdp_options(spec: str) -> tuple[str, dict]:
+    """``spec`` without the FSDP options (``via``, ``residual``, ...), and those options."""
+    name, _, rest = spec.strip().partition(":")
+    kept, sharded = [], {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key in FSDP_OPTIONS:
+            sharded[key] = None if value == "none" else int(value) if key == "node_size" else value
+        else:
+            kept.append(item)
+    return ":".join([name, ",".join(kept)]) if kept else name, sharded
 
 
 def parse_adam(spec: str, steps: int = 600) -> dict:
@@ -130,9 +152,14 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     net = lm.GPT(**LM_MODEL, seed=settings["seed"])
     one_bucket = run["kind"] == "powersgd_hook"
     adam = run["kind"] == "adam"
-    model = net if adam else DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
     steps, dense_steps = settings["steps"], settings["dense_steps"]
     state = None
+    if settings.get("fsdp"):
+        model, state = net, fsdp_register(net, run, world_size, dense_steps)
+    elif adam:
+        model = net
+    else:
+        model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
     hyper = dict(lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     if adam:  # the optimizer averages: no DDP
         options = dict(run["options"])
@@ -157,7 +184,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         start = max(2, dense_steps)
         hook_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=start)
         model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
-    elif run["kind"] == "gradcomp":
+    elif run["kind"] == "gradcomp" and not settings.get("fsdp"):
         state = gradcomp.ddp.register(
             model, run["name"], warmup_steps=dense_steps, min_numel=0, measure_error=False, **run["options"]
         )
@@ -187,6 +214,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
+        dense_bytes = statistics.mean(s.dense_bytes for s in state.stats)
     elif adam:
         sent = statistics.mean(adam_bytes)
     elif run["kind"] == "fp16_hook":
@@ -210,6 +238,34 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         validation_loss=curve[-1][1],
         curve=curve,
     )
+
+
+def fsdp_register(net: torch.nn.Module, run: dict, world_size: int, dense_steps: int):
+    """``--fsdp``: ``net``'s blocks and root sharded with FSDP2; a gradcomp run registered
+    on them (``via=replicas``, the default: custom HSDP on 2 nodes, each unit sharded on a
+    node's ranks; ``via=reduce_scatter``: the reduce-scatter of a shard group of every
+    rank); its state, or None for the dense run (every rank one shard group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    options = dict(run["options"])
+    via = options.pop("via", "replicas")
+    if via not in ("replicas", "reduce_scatter"):
+        raise ValueError(f"via must be replicas or reduce_scatter, got {via!r}")
+    hsdp = run["kind"] == "gradcomp" and via == "replicas"
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        shard = mesh["shard"]
+    else:
+        shard = init_device_mesh("cpu", (world_size,))
+    for block in net.blocks:
+        fully_shard(block, mesh=shard)
+    fully_shard(net, mesh=shard)
+    if run["kind"] != "gradcomp":
+        return None
+    replicas = mesh["replicate"].get_group() if hsdp else None
+    options.setdefault("warmup_steps", dense_steps)
+    return gradcomp.fsdp.register(net, run["name"], replicate_group=replicas, **options)
 
 
 def lm_derive(records: list[dict]) -> None:
@@ -299,8 +355,12 @@ def lm_describe(settings: dict, corpus: dict, parameters: int) -> str:
 
 def main_lm(args: argparse.Namespace, fail) -> int:
     """Run ``--task lm`` with the parsed options; ``fail(message)`` exits as the parser does."""
+    if args.fsdp:
+        args.baselines, args.adam = [], []
+        if args.spawn % 2:
+            fail("--fsdp runs 2 nodes: --spawn must be even")
     try:
-        runs = lm_runs(args.compressors, args.baselines, args.adam, args.steps)
+        runs = lm_runs(args.compressors, args.baselines, args.adam, args.steps, args.fsdp)
     except argparse.ArgumentTypeError as error:
         fail(str(error))
     if args.steps < 1 or args.spawn < 2 or LM_BATCH % args.spawn:
@@ -308,7 +368,8 @@ def main_lm(args: argparse.Namespace, fail) -> int:
     if not 0 <= args.dense_steps < args.steps:
         fail("need 0 <= --dense-steps < --steps")
     settings = vars(args)
-    results = Results("convergence-lm", machine(args.spawn, "gloo"), settings, args.out)
+    name = "convergence-lm-fsdp" if args.fsdp else "convergence-lm"
+    results = Results(name, machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
     _, _, corpus = lm.load_corpus(args.corpus_bytes)
     progress = Progress(len(runs), args.progress)
