@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import allreduce
 import convergence
+import fsdp_train
 import host_cost
 from lib import convergence_lm, ddp_report, ddp_sweep
 from lib.results import with_curves
@@ -32,7 +33,9 @@ def drawer(document: dict) -> Callable[[list[dict], str, str], None] | None:
     if benchmark.startswith("convergence"):
         draw = convergence_lm.lm_plot if benchmark == "convergence-lm" else convergence.plot
         return lambda records, title, path: draw(with_curves(records, document["curves"]), title, path)
-    return {"allreduce": allreduce.plot, "host_cost": host_cost.plot}.get(benchmark)
+    return {"allreduce": allreduce.plot, "fsdp_train": fsdp_train.plot, "host_cost": host_cost.plot}.get(
+        benchmark
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
