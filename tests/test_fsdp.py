@@ -363,6 +363,8 @@ def _refusals(rank: int, world: int) -> None:
         gradcomp.fsdp.register(model, "powersgd", replicate_group=replicas)
     with pytest.raises(ValueError, match="spans nodes"):
         gradcomp.fsdp.register(model, "int8", replicate_group=replicas, scatter_algorithm="hierarchical")
+    with pytest.raises(ValueError, match="quantizers"):
+        gradcomp.fsdp.register(model, "int8", parameters="topk")
     with pytest.raises(ValueError, match="beside a replicate_group"):
         gradcomp.fsdp.register(model, "int8", reduce_scatter="bf16")
     native = _net()
@@ -443,3 +445,32 @@ def test_reduce_scatter_makes_no_host_sync_and_launches_independent_of_the_world
     hierarchical = {results["hierarchical", world] for world in (4, 8)}
     assert len(flat) == 1 and flat.pop() <= 6, dict(results)
     assert len(hierarchical) == 1 and hierarchical.pop() <= 12, dict(results)
+
+
+def _parameter_gather(rank: int, world: int) -> None:
+    """int8 weights in FSDP's all-gather: every rank computes with the same decoded
+    weights, within int8's bound of the exact ones, at about a quarter of the bytes."""
+    shard_mesh, _ = _meshes(world, hsdp=False)
+    model, reference = _sharded(shard_mesh), _net()
+    state = gradcomp.fsdp.register(model, "bf16", parameters="int8")
+    batches = _batches(0, world)
+    x, y = batches[rank]
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    assert _error(model, _reference_grads(reference, batches)) <= 0.05
+    everyone = [torch.empty(1) for _ in range(world)]
+    dist.all_gather(everyone, loss.detach().reshape(1))
+    assert len({t.item() for t in everyone}) == world  # each rank its own batch
+    # The same batch on every rank: the same decoded weights give the same loss bits.
+    same = torch.nn.functional.mse_loss(model(batches[0][0]), batches[0][1]).detach().reshape(1)
+    dist.all_gather(everyone, same)
+    assert all(torch.equal(t, same) for t in everyone)
+    exact = torch.nn.functional.mse_loss(reference(batches[0][0]), batches[0][1]).item()
+    assert abs(same.item() - exact) <= 0.01 * abs(exact)
+    gathers = {k: v for k, v in state.last_stats.compressors.items() if k[1] == "parameter_gather"}
+    assert set(gathers.values()) == {"int8 parameter_gather"} and len(gathers) == 3
+
+
+@pytest.mark.slow
+def test_parameter_gather_gives_every_rank_the_same_weights():
+    run_ranks(_parameter_gather, 4)

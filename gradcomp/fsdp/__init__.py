@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gradcomp import planner
@@ -39,7 +39,15 @@ from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.ddp.checkpoint import Checkpointable
 from gradcomp.fsdp.state import RESIDUALS, FSDPOptions, FSDPState
 
-__all__ = ["RESIDUALS", "Checkpointable", "CompressedReduceScatter", "FSDPOptions", "FSDPState", "register"]
+__all__ = [
+    "RESIDUALS",
+    "Checkpointable",
+    "CompressedParameterGather",
+    "CompressedReduceScatter",
+    "FSDPOptions",
+    "FSDPState",
+    "register",
+]
 
 OPTIONS = (
     "warmup_steps",
@@ -59,6 +67,7 @@ def register(
     *,
     replicate_group: dist.ProcessGroup | None = None,
     reduce_scatter: Compressor | str | None = None,
+    parameters: Compressor | str | None = None,
     **options,
 ) -> FSDPState:
     """Compress the gradient reductions of every FSDP2 unit of ``model``; the state.
@@ -73,6 +82,11 @@ def register(
             other nodes (``mesh["replicate"].get_group()``).
         reduce_scatter: with ``replicate_group``, a compressor for FSDP's
             reduce-scatter inside the node too (``"bf16"``); None keeps FSDP's own.
+        parameters: a compressor for FSDP's all-gather of the parameters (``"int8"``):
+            every rank computes with the same weights, each shard encoded by its
+            owner and decoded by all; the optimizer updates the exact shards. For
+            shard groups that span nodes, where these all-gathers are most of the
+            traffic between nodes; it costs accuracy (see the README).
         options: :class:`FSDPOptions` (``warmup_steps``, ``min_numel``,
             ``algorithm``, ``residual``, ``scatter_algorithm``, ``node_size``,
             ``intra``, ``history``) and the compressor's own.
@@ -104,7 +118,8 @@ def register(
             "scatter_algorithm='hierarchical' is the compressed reduce-scatter of a shard group that spans "
             "nodes: register without replicate_group (with one, the shard group is a node)"
         )
-    state = FSDPState(replicate, scatter, replicate_group, fsdp_options)
+    gather = None if parameters is None else _scatter_compressor(parameters, {})
+    state = FSDPState(replicate, scatter, replicate_group, fsdp_options, gather)
     device = _device_of(model)
     world = InlineGroup(None)
     verify_settings(world, "gradcomp.fsdp.register's settings", state.settings(), device)
@@ -113,6 +128,8 @@ def register(
     for index, (unit, param_group) in enumerate(units):
         if scatter is not None:  # its groups made here, in unit order on every rank
             state.shard_group(param_group.mesh_info.shard_process_group)
+        if gather is not None:
+            unit.set_custom_all_gather(CompressedParameterGather(state, index))
         if replicate is not None:
             unit.set_all_reduce_hook(ReplicateHook(state, index, param_group))
         if scatter is not None:
@@ -160,6 +177,21 @@ class CompressedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         factor = self.param_group.gradient_divide_factor
         self.state.scatter(self.unit, output_tensor, input_tensor, group, op, factor)
+        return None
+
+
+class CompressedParameterGather(AllGather):
+    """``set_custom_all_gather``'s comm of one unit: FSDP's parameter all-gather, compressed
+    (synchronous: FSDP waits on no work)."""
+
+    def __init__(self, state: FSDPState, unit: int):
+        self.state, self.unit = state, unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self.state.gather(self.unit, output_tensor, input_tensor, group)
         return None
 
 

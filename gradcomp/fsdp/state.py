@@ -20,6 +20,7 @@ from gradcomp.collectives import (
 )
 from gradcomp.collectives.chooser import chosen_steps
 from gradcomp.collectives.inline import InlineGroup
+from gradcomp.collectives.parameter_gather import parameter_gather
 from gradcomp.collectives.reduce_scatter import (
     compressed_reduce_scatter,
     hierarchical_reduce_scatter,
@@ -100,6 +101,7 @@ class FSDPState:
         compressor: the replicate all-reduce's compressor or chooser (None without
             a replicate group).
         reduce_scatter: the reduce-scatter's compressor (None: FSDP's own).
+        parameters: the parameter all-gather's compressor (None: FSDP's own).
         replicate_group: the group of this rank's replicas (None: none).
         step: backward passes that communicated so far (each unit once at most).
         feedback: the replicate all-reduces' residuals, per unit.
@@ -112,10 +114,12 @@ class FSDPState:
         reduce_scatter: Compressor | None,
         replicate_group: dist.ProcessGroup | None,
         options: FSDPOptions,
+        parameters: Compressor | None = None,
     ):
         self.compressor = compressor
         self.reduce_scatter = reduce_scatter
         self.replicate_group = replicate_group
+        self.parameters = parameters
         self.options = options
         self.process_group = None  # the world: checkpoints are per global rank
         self.step = 0
@@ -140,13 +144,14 @@ class FSDPState:
 
     def settings(self) -> dict:
         """What every rank must agree on."""
-        compressor = self.compressor
-        described = None if compressor is None else repr(sorted(compressor.settings().items()))
-        scatter = self.reduce_scatter
-        scatter = None if scatter is None else repr(sorted(scatter.settings().items()))
+
+        def described(compressor) -> str | None:
+            return None if compressor is None else repr(sorted(compressor.settings().items()))
+
         return {
-            "compressor": described,
-            "reduce_scatter": scatter,
+            "compressor": described(self.compressor),
+            "reduce_scatter": described(self.reduce_scatter),
+            "parameters": described(self.parameters),
             "replicate_size": None if self._replicas is None else self._replicas.world_size,
             **dataclasses.asdict(self.options),
         }
@@ -238,6 +243,25 @@ class FSDPState:
         if self._replicas is not None:
             stats.bytes_sent_intra = stats.bytes_sent  # the shard group: inside a node
         self._record(unit, stats, f"{how}@rs", scatter=True)
+
+    def gather(self, unit: int, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """FSDP's all-gather of unit ``unit``'s parameters, compressed (dense in the warm-up).
+        Its bytes count in the step whose backward pass comes next."""
+        if self.step < self.options.warmup_steps:
+            dist.all_gather_into_tensor(output, input, group=group)
+            world = dist.get_world_size(group)
+            nbytes = (world - 1) * input.numel() * input.element_size()
+            stats, how = ReduceStats(nbytes, nbytes), "none parameter_gather"
+        else:
+            stats = parameter_gather(output, input, self.parameters, group, key=key_of((unit, "gather")))
+            how = f"{self.parameters.name} parameter_gather"
+        if self._open is None:
+            self._open = StepStats(self.step)
+        step = self._open  # bytes and time only: a unit counts once a step, for its gradients
+        step.bytes_sent += stats.bytes_sent
+        step.dense_bytes += stats.dense_bytes
+        step.compress_seconds += stats.compress_seconds
+        step.compressors[(unit, "parameter_gather")] = how
 
     def _scatter_residual(self, unit: int, numel: int, device: torch.device) -> torch.Tensor | None:
         if self.options.residual is None or not self.reduce_scatter.needs_feedback:
