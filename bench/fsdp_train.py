@@ -66,15 +66,18 @@ from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
 from gradcomp.units import argument, parse_rate, parse_size
 
-# (label, compressor, layout): layout "hsdp" shards in a node and all-reduces between nodes,
-# "flat" shards over every rank, None is the compute-only run.
+# (label, compressor, layout, register's options): layout "hsdp" shards in a node and
+# all-reduces between nodes, "flat" shards over every rank, None is the compute-only run.
+HIERARCHICAL = {"scatter_algorithm": "hierarchical"}
 RUNS = (
-    ("compute only", None, None),
-    ("HSDP fp32", "none", "hsdp"),
-    ("HSDP bf16", "bf16", "hsdp"),
-    ("HSDP int8", "int8", "hsdp"),
-    ("HSDP int4", "int4", "hsdp"),
-    ("reduce-scatter int8", "int8", "flat"),
+    ("compute only", None, None, {}),
+    ("HSDP fp32", "none", "hsdp", {}),
+    ("HSDP bf16", "bf16", "hsdp", {}),
+    ("HSDP int8", "int8", "hsdp", {}),
+    ("HSDP int4", "int4", "hsdp", {}),
+    ("reduce-scatter int8", "int8", "flat", {}),
+    ("hier. reduce-scatter int8", "int8", "flat", HIERARCHICAL),
+    ("hier. reduce-scatter int8, int8 weights", "int8", "flat", {**HIERARCHICAL, "parameters": "int8"}),
 )
 BASELINE = "HSDP fp32"
 # The targets of int8 HSDP against the dense HSDP runs: (against, what, at least).
@@ -137,7 +140,7 @@ class Training:
 
     def __init__(self, rank: int, world_size: int, run: tuple, settings: dict, meshes: dict, data):
         self.rank, self.world_size, self.settings, self.data = rank, world_size, settings, data
-        self.label, compressor, kind = run
+        self.label, compressor, kind, options = run
         self.model = lm.GPT(
             settings["width"], settings["layers"], settings["heads"], settings["context"], seed=0
         )
@@ -148,10 +151,12 @@ class Training:
                 fully_shard(block, mesh=meshes[kind])
             fully_shard(self.model, mesh=meshes[kind])
             replicas = meshes["replicate"] if kind == "hsdp" else None
+            if options.get("scatter_algorithm") == "hierarchical":
+                options = {**options, "node_size": layout(settings)[1]}
             self.state = gradcomp.fsdp.register(
-                self.model, compressor, replicate_group=replicas, warmup_steps=0
+                self.model, compressor, replicate_group=replicas, warmup_steps=0, **options
             )
-        self.flat = kind == "flat"
+        self.flat = kind == "flat" and not options.get("scatter_algorithm")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95)
         )
@@ -181,7 +186,7 @@ class Training:
         if self.state is None:
             return 0.0
         stats = self.state.last_stats
-        if not self.flat:
+        if not self.flat:  # counted by gradcomp: the replicas' all-reduce, a hierarchical reduce-scatter
             return float(stats.bytes_sent_inter)
         nodes, ranks_per_node = layout(self.settings)
         peers_elsewhere = self.world_size - ranks_per_node

@@ -20,7 +20,7 @@ def test_fsdp_train_smoke(tmp_path):
     result = run_script("fsdp_train.py", *args, "--out", str(tmp_path))
     assert "target: HSDP int8 bytes between nodes >= 3.9x fewer than HSDP fp32" in result.stdout
     rows, document = read_results(tmp_path, stem("fsdp_train"))
-    assert [r["run"] for r in rows] == [label for label, _, _ in fsdp_train.RUNS]
+    assert [r["run"] for r in rows] == [run[0] for run in fsdp_train.RUNS]
     by_run = {r["run"]: r for r in document["records"]}
     assert by_run["compute only"]["inter_bytes"] == 0 and by_run["compute only"]["comm_ms"] == 0
     # One rank a node: a rank's whole gradient shard goes to its replica, compressed or not.
@@ -30,6 +30,10 @@ def test_fsdp_train_smoke(tmp_path):
     # Two ranks, one per node: the reduce-scatter's one row goes to the other node.
     flat = by_run["reduce-scatter int8"]
     assert flat["inter_bytes"] == flat["bytes_sent"] > 0 and flat["compressors"] == "int8 reduce_scatter"
+    # Nodes of one rank: the hierarchical reduce-scatter sends that row alone between them.
+    hierarchical = by_run["hier. reduce-scatter int8"]
+    assert hierarchical["inter_bytes"] == flat["inter_bytes"]
+    assert "int8 parameter_gather" in by_run["hier. reduce-scatter int8, int8 weights"]["compressors"]
     for record in document["records"]:
         assert record["step_ms"] > 0 and len(record["step_ms_all"]) == 2 * 2 and record["rounds"] == 2
         assert math.isnan(record["wire_bytes"])  # no cluster: no link to count
