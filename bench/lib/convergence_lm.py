@@ -85,7 +85,7 @@ def lm_runs(
     return runs + [parse_adam(spec, steps) for spec in adam]
 
 
-FSDP_OPTIONS = ("via", "residual", "scatter_algorithm", "node_size", "intra")
+FSDP_OPTIONS = ("via", "residual", "scatter_algorithm", "node_size", "intra", "parameters")
 
 
 def _fsdp_options(spec: str) -> tuple[str, dict]:
