@@ -21,6 +21,14 @@ Run by ``bench/gpu_check.sh`` on one GPU (``--dry-run``: CPU tensors, Gloo):
   synchronizes the device (an update that read its all-reduce's result
   before the worker wrote it differs).
 
+* **FSDP2**: a model of 4 linear layers sharded with ``fully_shard`` on a one-rank
+  mesh, ``gradcomp.fsdp.register(model, "int8", replicate_group=WORLD,
+  parameters="int8")``: the all-reduce hook and the parameter all-gather run
+  inline on FSDP's own streams. Its gradients, read on the caller's stream at
+  once and after a synchronize, must agree, and lie within int8's bound of an
+  unsharded copy's; then the compressed reduce-scatter itself on the one-rank
+  group, rows padded (a shard not a multiple of the block), against its input.
+
 Writes the checks under "worker" in ``<out>/gpu_check.json``; exits 1 if one
 fails.
 
@@ -178,6 +186,47 @@ def compressed_adam(device: torch.device, numel: int, entry: dict) -> None:
     entry["ok"] = all(at_once == after for at_once, after in sums) and entry["same_as_synchronized_steps"]
 
 
+def fsdp(device: torch.device, width: int, entry: dict) -> None:
+    """FSDP2 with gradcomp's comms, inline on FSDP's streams, on one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradcomp.collectives.reduce_scatter import compressed_reduce_scatter, padded_row
+
+    def net() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
+
+    model, reference = net(), net()
+    mesh = init_device_mesh(device.type, (1,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    world = torch.distributed.group.WORLD
+    state = gradcomp.fsdp.register(model, "int8", replicate_group=world, parameters="int8")
+    x = random(8 * width, device, seed=5).view(8, width)
+    model(x).square().mean().backward()
+    grads = [p.grad.to_local() for p in model.parameters()]
+    at_once, after = sums_at_once_and_after(grads, device)
+    reference(x).square().mean().backward()
+    full = torch.cat([g.reshape(-1) for g in grads])
+    exact = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    error = ((full - exact).norm() / exact.norm()).item()
+    entry.update(grad_sum_at_once=at_once, grad_sum_after_synchronize=after, relative_error=error)
+    entry.update(compressors=sorted(set(state.last_stats.compressors.values())))
+    # The reduce-scatter on one rank: its one row encoded, padded, sent to itself, decoded.
+    c = gradcomp.get_compressor("int8")
+    shard = 3 * width + 77
+    rows = random(shard, device, seed=6)
+    out = torch.empty_like(rows)
+    residual = torch.zeros(padded_row(c, shard), device=device)
+    compressed_reduce_scatter(out, rows.clone(), c, world, residual=residual)
+    scatter_error = ((out - rows).norm() / rows.norm()).item()
+    conserved = (out + residual[:shard] - rows).abs().max().item()
+    entry.update(scatter_relative_error=scatter_error, scatter_conservation=conserved)
+    entry["ok"] = at_once == after and error < 0.05 and scatter_error < 0.02 and conserved < 1e-4
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gpu_setup.add_options(parser)
@@ -196,6 +245,8 @@ def main(argv=None) -> int:
                 ordering(device, sizes["ordering"], wait, entry)
         with report.check("CompressedAdam") as entry:
             compressed_adam(device, sizes["adam"], entry)
+        with report.check("FSDP2") as entry:
+            fsdp(device, 256 if args.dry_run else 4096, entry)
     return report.finish()
 
 
