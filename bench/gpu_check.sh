@@ -16,7 +16,8 @@
 #   worker     one rank over NCCL: a collective issued from gradcomp's worker
 #              thread on its stream; all_reduce results (sync, Work.wait(),
 #              get_future().wait()) and CompressedAdam's read on the caller's
-#              stream at once and after a synchronize (bench/gpu_worker.py)
+#              stream at once and after a synchronize; FSDP2 with gradcomp's
+#              comms inline on FSDP's streams (bench/gpu_worker.py)
 #   overlap    the DDP hook's work against a backward pass of 10 ms or more,
 #              25 MB buckets, from a profile: its streams and the fraction of
 #              its time overlapping backward kernels (bench/gpu_ddp.py)
