@@ -45,7 +45,7 @@ import argparse
 import os
 import sys
 
-from lib.cluster import add_cluster_options, cluster_from
+from lib.cluster import add_cluster_options, add_link_check_option, described_cluster
 from lib.ddp_report import (
     add_predictions,
     derive,
@@ -68,7 +68,7 @@ from lib.specs import parse_run
 
 from gradcomp import planner
 from gradcomp.spawn import RanksFailed
-from gradcomp.units import argument, parse_rate, parse_size, split_list
+from gradcomp.units import parse_rate, split_list
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
 
@@ -128,12 +128,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--width", type=int, default=4096, help="MLP hidden width (default 4096: 25.2M params)")
     top.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
     top.add_argument("--lr", type=float, default=0.03, help="SGD learning rate (default 0.03)")
-    top.add_argument(
-        "--link-check-bytes",
-        type=argument(parse_size),
-        default=parse_size("64MiB"),
-        help="size of the dense all-reduce that measures the link first (default 64MiB)",
-    )
+    add_link_check_option(top, "64MiB")
     top.add_argument(
         "--no-probe",
         dest="probe",
@@ -214,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Results("ddp_train", facts, settings, args.out, suffix=suffix)
     print(f"machine: {results.machine['machine']}", flush=True)
     try:
-        with cluster_from(args) as cluster:
-            if cluster:
-                facts["link"] = cluster.describe()
-                facts["machine"] += f", {args.nodes} emulated nodes, {args.inter_bandwidth} between them"
+        with described_cluster(args, facts):
             check, probed, records = execute(runs, settings)
     except RanksFailed as error:
         sys.stderr.write(f"ddp_train failed: {error}\n")

@@ -51,7 +51,13 @@ import time
 import torch
 import torch.distributed as dist
 from lib import lm, spawning
-from lib.cluster import NODE_INTERFACE, add_cluster_options, cluster_from, measure_levels
+from lib.cluster import (
+    NODE_INTERFACE,
+    add_cluster_options,
+    add_link_check_option,
+    described_cluster,
+    measure_levels,
+)
 from lib.ddp_report import describe_levels
 from lib.machine import machine
 from lib.options import add_common_options
@@ -106,12 +112,7 @@ def parser() -> argparse.ArgumentParser:
         default=parse_size("4M"),
         help="bytes of the standard library's sources to train on (default 4M)",
     )
-    top.add_argument(
-        "--link-check-bytes",
-        type=argument(parse_size),
-        default=parse_size("16MiB"),
-        help="size of the dense all-reduce that checks the emulated links first (default 16MiB)",
-    )
+    add_link_check_option(top, "16MiB")
     add_common_options(top, spawn_default=4)
     add_cluster_options(top)
     return top
@@ -377,10 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Results("fsdp_train", facts, settings, args.out, suffix=suffix)
     print(f"machine: {results.machine['machine']}", flush=True)
     try:
-        with cluster_from(args) as cluster:
-            if cluster:
-                facts["link"] = cluster.describe()
-                facts["machine"] += f", {args.nodes} emulated nodes, {args.inter_bandwidth} between them"
+        with described_cluster(args, facts):
             outcome = spawning.spawn(ranks, args.spawn, settings, timeout=3600)
     except RanksFailed as error:
         sys.stderr.write(f"fsdp_train failed: {error}\n")

@@ -30,15 +30,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 BATCH = 8
 
 
+WIDTHS = (16, 256, 256, 4)  # shards of thousands of elements: whole blocks matter little
+
+
 def _net() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 256),
-        torch.nn.ReLU(),
-        torch.nn.Linear(256, 256),
-        torch.nn.ReLU(),
-        torch.nn.Linear(256, 4),
-    )
+    layers = []
+    for inputs, outputs in zip(WIDTHS, WIDTHS[1:], strict=False):
+        layers += [torch.nn.Linear(inputs, outputs), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
 
 
 def _sharded(mesh, mp_policy=None) -> torch.nn.Sequential:
@@ -109,6 +109,16 @@ def test_a_model_without_fully_shard_is_refused():
 # ---------------------------------------------------------------- custom HSDP
 
 
+def _step_errors(model, reference, rank: int, world: int, steps: int = 2):
+    """Each step's relative error of the model's gradients against the reference's."""
+    for step in range(steps):
+        model.zero_grad()
+        batches = _batches(step, world)
+        x, y = batches[rank]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        yield step, _error(model, _reference_grads(reference, batches))
+
+
 def _hsdp_gradients(rank: int, world: int) -> None:
     """Dense replicas equal the reference to rounding; int8 and int4 within their bounds;
     every replica holds the same shard bits; the bytes between nodes are the replicas'."""
@@ -118,13 +128,7 @@ def _hsdp_gradients(rank: int, world: int) -> None:
         shard_mesh, replicas = _meshes(world, hsdp=True)
         model, reference = _sharded(shard_mesh), _net()
         state = gradcomp.fsdp.register(model, compressor, replicate_group=replicas)
-        for step in range(2):
-            model.zero_grad()
-            batches = _batches(step, world)
-            x, y = batches[rank]
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            expected = _reference_grads(reference, batches)
-            error = _error(model, expected)
+        for step, error in _step_errors(model, reference, rank, world):
             assert error <= bound * (1 + step), f"{compressor} step {step}: relative error {error:.3g}"
             assert _same_in_group(_local_grads(model), replicas), f"{compressor}: replicas differ"
         stats = state.last_stats
@@ -182,12 +186,7 @@ def _reduce_scatter_gradients(rank: int, world: int) -> None:
         shard_mesh, _ = _meshes(world, hsdp=False)
         model, reference = _sharded(shard_mesh), _net()
         state = gradcomp.fsdp.register(model, compressor, residual=residual)
-        for step in range(2):
-            model.zero_grad()
-            batches = _batches(step, world)
-            x, y = batches[rank]
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            error = _error(model, _reference_grads(reference, batches))
+        for step, error in _step_errors(model, reference, rank, world):
             assert error <= bound * (1 + step), (
                 f"{compressor} residual={residual}: relative error {error:.3g}"
             )

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradcomp.units import argument, parse_size
 from lib.link import link_settings, token_bucket, unmet_requirement
 
 _CLONE_NEWNET = 0x40000000
@@ -48,6 +49,16 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
         default="1gbit",
         metavar="RATE",
         help="each node's link to the others, bits per second each way (a tc rate; default 1gbit)",
+    )
+
+
+def add_link_check_option(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--link-check-bytes``: the dense all-reduce that measures the links before the runs."""
+    parser.add_argument(
+        "--link-check-bytes",
+        type=argument(parse_size),
+        default=parse_size(default),
+        help=f"size of the dense all-reduce that measures the links first (default {default})",
     )
 
 
@@ -174,6 +185,16 @@ def cluster_from(args: argparse.Namespace):
             yield cluster
         finally:
             _current = None
+
+
+@contextlib.contextmanager
+def described_cluster(args: argparse.Namespace, facts: dict):
+    """:func:`cluster_from`, its links and nodes written into the results' machine ``facts``."""
+    with cluster_from(args) as cluster:
+        if cluster:
+            facts["link"] = cluster.describe()
+            facts["machine"] += f", {args.nodes} emulated nodes, {args.inter_bandwidth} between them"
+        yield cluster
 
 
 def spawn_options() -> dict:
