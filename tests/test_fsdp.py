@@ -321,7 +321,7 @@ def _train(model, state, steps, world, rank, lr=0.05):
 
 def _resume(rank: int, world: int) -> None:
     shard_mesh, replicas = _meshes(world, hsdp=True)
-    options = {"replicate_group": replicas, "reduce_scatter": "int8"}
+    options = {"replicate_group": replicas, "reduce_scatter": "int8", "residual": "full"}
     straight = _sharded(shard_mesh)
     state = gradcomp.fsdp.register(straight, "int4", **options)
     _train(straight, state, range(2), world, rank)
