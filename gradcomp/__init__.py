@@ -11,6 +11,7 @@ Example:
 from gradcomp import collectives, ddp, fsdp, ops, optim, planner, profiling, spawn
 from gradcomp.collectives import all_reduce
 from gradcomp.compressors import COMPRESSORS, Compressor, Context, get_compressor
+from gradcomp.diloco import DiLoCo
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.payload import Payload
 
@@ -24,6 +25,7 @@ __all__ = [
     "COMPRESSORS",
     "Compressor",
     "Context",
+    "DiLoCo",
     "ErrorFeedback",
     "Payload",
     "all_reduce",

@@ -26,7 +26,7 @@ LAYERS = (
     # tests; units, tables and profiling are helpers of these that import nothing.
     ("entry points", ("", "__main__", "cli", "demo", "spawn", "units", "tables", "profiling")),
     ("framework glue", ("integrations",)),
-    ("training", ("ddp", "optim", "fsdp")),
+    ("training", ("ddp", "optim", "fsdp", "diloco")),
     ("bucket layouts", ("buckets",)),
     ("planner", ("planner",)),
     ("collectives", ("collectives",)),

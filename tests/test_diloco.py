@@ -1,0 +1,175 @@
+"""gradcomp.DiLoCo on Gloo ranks: replicas identical after each synchronisation, DDP
+when there is nothing local about it, error feedback conserved, resume bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from utils import run_ranks, same_on_all_ranks
+
+import gradcomp
+
+
+def _net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+
+
+def _train(model, inner, outer, steps, rank, after=None) -> None:
+    for step in steps:
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        outer.step()
+        if after is not None:
+            after(step)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"sync_every": 2.5}, "sync_every"),
+        ({"sync_every": 2, "outer_lr": 0.0}, "outer_lr"),
+        ({"sync_every": 2, "outer_momentum": 1.0}, "outer_momentum"),
+        ({"sync_every": 2, "compressor": "auto", "block": 64}, "no compressor options"),
+    ],
+)
+def test_bad_options_are_refused(options, match):
+    model = _net()
+    with pytest.raises(ValueError, match=match):
+        gradcomp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+def _replicas(rank: int, world: int) -> None:
+    torch.manual_seed(rank)  # each rank starts elsewhere: the construction broadcasts rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = gradcomp.DiLoCo(model, inner, sync_every=3, compressor="int4")
+    assert same_on_all_ranks(_flat(model))
+
+    def check(step: int) -> None:
+        synced = (step + 1) % 3 == 0
+        assert same_on_all_ranks(_flat(model)) == synced, f"step {step}"
+        if synced:
+            # int4 on 354 elements, cut in blocks and chunks: over 3x fewer bytes than fp32
+            assert outer.last_stats.ratio > 3
+
+    _train(model, inner, outer, range(9), rank, check)
+    assert outer.outer_step == 3 and outer.local_step == 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_are_identical_after_every_synchronisation(world):
+    run_ranks(_replicas, world)
+
+
+def _like_ddp(rank: int, world: int) -> None:
+    """H = 1, plain SGD inside, no compression, an outer SGD at lr 1 without momentum:
+    each step is SGD on the ranks' mean gradient, as DDP's."""
+    model, reference = _net(), _net()
+    outer = gradcomp.DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 1, "none", outer_lr=1.0, outer_momentum=0.0
+    )
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(5):
+        _train(model, outer.inner, outer, [step], rank)
+        sgd.zero_grad()
+        batches = [_batch(step, r) for r in range(world)]
+        loss = sum(torch.nn.functional.mse_loss(reference(x), y) for x, y in batches) / world
+        loss.backward()
+        sgd.step()
+        # Within float rounding: (anchor - (anchor - lr g)) reassociates lr g, then the mean.
+        torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_one_step_a_synchronisation_without_compression_is_ddp():
+    run_ranks(_like_ddp, 2)
+
+
+def _conserved(rank: int, world: int) -> None:
+    """What the exchange dropped stays in the residuals: over the ranks, the decoded mean
+    times the ranks plus the new residuals is the pseudo-gradients plus the old ones."""
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"algorithm": "allgather", "outer_momentum": 0.0}
+    outer = gradcomp.DiLoCo(model, inner, 2, "int4", **options)
+    _train(model, inner, outer, range(3), rank)  # one exchange (a residual), one local step
+    x, y = _batch(3, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    (key,) = outer.feedback.keys()
+    old = outer.feedback.get(key).clone()
+    anchor = torch.cat([a.reshape(-1) for a in outer.anchor])
+    delta = anchor - _flat(model)
+    outer.step()  # the second exchange
+    new = outer.feedback.get(key)
+    # Without momentum the outer step is anchor - lr * mean: the mean the ranks decoded.
+    mean = (anchor - torch.cat([a.reshape(-1) for a in outer.anchor])) / outer.outer_lr
+    totals = torch.stack([delta + old, new])
+    dist.all_reduce(totals)
+    torch.testing.assert_close(world * mean + totals[1], totals[0], rtol=0, atol=1e-5)
+    assert new.abs().max() > 0 and old.abs().max() > 0
+
+
+@pytest.mark.slow
+def test_error_feedback_is_conserved_across_synchronisations():
+    run_ranks(_conserved, 2)
+
+
+def _resume(rank: int, world: int) -> None:
+    def fresh():
+        model = _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=3, compressor="int4")
+
+    model, inner, outer = fresh()
+    _train(model, inner, outer, range(4), rank)  # one synchronisation, then one step into the next
+    saved = [
+        {k: v.clone() for k, v in model.state_dict().items()},
+        inner.state_dict(),
+        outer.state_dict(),
+    ]
+    saved[1] = {
+        "state": {k: {n: t.clone() for n, t in s.items()} for k, s in saved[1]["state"].items()},
+        "param_groups": saved[1]["param_groups"],
+    }
+    _train(model, inner, outer, range(4, 8), rank)
+    again, again_inner, again_outer = fresh()
+    again.load_state_dict(saved[0])
+    again_inner.load_state_dict(saved[1])
+    again_outer.load_state_dict(saved[2])
+    _train(again, again_inner, again_outer, range(4, 8), rank)
+    assert torch.equal(_flat(again), _flat(model)) and again_outer.outer_step == outer.outer_step == 2
+    other = gradcomp.DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), sync_every=4)
+    with pytest.raises(ValueError, match="sync_every"):
+        other.load_state_dict(saved[2])
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_for_bit_between_synchronisations():
+    run_ranks(_resume, 2)
+
+
+def _disagree(rank: int, world: int) -> None:
+    model = _net()
+    with pytest.raises(ValueError, match="sync_every"):
+        gradcomp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2 + rank)
+
+
+@pytest.mark.slow
+def test_ranks_with_other_settings_raise_on_every_rank():
+    run_ranks(_disagree, 2)
