@@ -123,6 +123,14 @@ def parser() -> argparse.ArgumentParser:
         f"default: {' '.join(LM_ADAM)}",
     )
     top.add_argument(
+        "--diloco",
+        nargs="*",
+        default=[],
+        metavar="NAME[:k=v,...]",
+        help="lm: DiLoCo runs, pseudo-gradients through NAME (its options, and sync_every=H, "
+        "outer_lr, outer_momentum); each rank trains with AdamW between synchronisations",
+    )
+    top.add_argument(
         "--epochs", type=int, default=150, help="mlp: passes over the training set (default 150)"
     )
     top.add_argument("--steps", type=int, default=600, help="lm: optimizer steps (default 600)")

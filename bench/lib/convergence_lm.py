@@ -69,7 +69,12 @@ ONE_BUCKET_MB = 4096.0
 
 
 def lm_runs(
-    specs: list[str], baselines: list[str], adam: list[str] = (), steps: int = 600, fsdp: bool = False
+    specs: list[str],
+    baselines: list[str],
+    adam: list[str] = (),
+    steps: int = 600,
+    fsdp: bool = False,
+    diloco: list[str] = (),
 ) -> list[dict]:
     """Dense, then torch's hooks, then every compressor (its default error
     feedback), then the CompressedAdam runs (of ``steps`` steps). With ``fsdp``, a
@@ -82,7 +87,7 @@ def lm_runs(
         runs.append(dict(label=label, kind="gradcomp", name=name, options={**options, **sharded}))
         if sharded:
             runs[-1]["label"] = ",".join(filter(None, [label, *(f"{k}={v}" for k, v in sharded.items())]))
-    return runs + [parse_adam(spec, steps) for spec in adam]
+    return runs + [parse_adam(spec, steps) for spec in adam] + [parse_diloco(spec) for spec in diloco]
 
 
 FSDP_OPTIONS = ("via", "residual", "scatter_algorithm", "node_size", "intra", "parameters")
@@ -99,6 +104,27 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
         else:
             kept.append(item)
     return ":".join([name, ",".join(kept)]) if kept else name, sharded
+
+
+DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
+
+
+def parse_diloco(spec: str) -> dict:
+    """``"int4:sync_every=25,outer_lr=0.7"`` -> a DiLoCo run: its outer options apart
+    from the compressor's (and ``algorithm``)."""
+    name, _, rest = spec.strip().partition(":")
+    outer, kept = {}, []
+    for item in filter(None, rest.split(",")):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key in DILOCO_OPTIONS:
+            try:
+                outer[key] = int(value) if key == "sync_every" else float(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{key} must be a number (in {spec!r})") from None
+        else:
+            kept.append(item)
+    _, name, options = parse_run(":".join([name, ",".join(kept)]) if kept else name)
+    return dict(label=f"DiLoCo {spec.strip()}", kind="diloco", name=name, options=options, diloco=outer)
 
 
 def parse_adam(spec: str, steps: int = 600) -> dict:
@@ -152,11 +178,12 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     net = lm.GPT(**LM_MODEL, seed=settings["seed"])
     one_bucket = run["kind"] == "powersgd_hook"
     adam = run["kind"] == "adam"
+    diloco = run["kind"] == "diloco"
     steps, dense_steps = settings["steps"], settings["dense_steps"]
     state = None
     if settings.get("fsdp"):
         model, state = net, fsdp_register(net, run, world_size, dense_steps)
-    elif adam:
+    elif adam or diloco:  # each rank its own model: the optimizer, or DiLoCo, averages
         model = net
     else:
         model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
@@ -177,6 +204,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         )
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
+    outer = None
+    if diloco:
+        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **run["diloco"], **run["options"])
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif one_bucket:
@@ -207,6 +237,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         step_seconds.append(time.perf_counter() - began)
         if adam:
             adam_bytes.append(optimizer.last_bytes_sent)
+        if outer is not None:
+            exchanged = outer.step()
+            adam_bytes.append(exchanged.bytes_sent if exchanged is not None else 0)
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
     shapes = [tuple(p.shape) for p in net.parameters()]
@@ -215,7 +248,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
         dense_bytes = statistics.mean(s.dense_bytes for s in state.stats)
-    elif adam:
+    elif adam or diloco:
         sent = statistics.mean(adam_bytes)
     elif run["kind"] == "fp16_hook":
         sent = dense_bytes / 2
@@ -274,10 +307,10 @@ def lm_derive(records: list[dict]) -> None:
     for record in records:
         loss = record["validation_loss"]
         record["loss_vs_dense"] = (loss - dense) / dense if loss is not None else math.nan
-        plain = not record["options"] and record["kind"] != "adam"
+        plain = not record["options"] and record["kind"] not in ("adam", "diloco")
         bound = LM_TARGETS.get(record["compressor"]) if plain else None
         record["target"] = "" if bound is None else lm_target(record["loss_vs_dense"], bound)
-        ours = record["kind"] in ("gradcomp", "adam") and not record.get("failed")
+        ours = record["kind"] in ("gradcomp", "adam", "diloco") and not record.get("failed")
         if ours and record["ratio"] >= FEW_BYTES and not record["target"]:
             record["target"] = few_bytes_target(record, powersgd)
 
@@ -360,7 +393,7 @@ def main_lm(args: argparse.Namespace, fail) -> int:
         if args.spawn % 2:
             fail("--fsdp runs 2 nodes: --spawn must be even")
     try:
-        runs = lm_runs(args.compressors, args.baselines, args.adam, args.steps, args.fsdp)
+        runs = lm_runs(args.compressors, args.baselines, args.adam, args.steps, args.fsdp, args.diloco)
     except argparse.ArgumentTypeError as error:
         fail(str(error))
     if args.steps < 1 or args.spawn < 2 or LM_BATCH % args.spawn:
