@@ -382,6 +382,32 @@ def test_convergence_lm_task_runs_under_fsdp2_between_replicas_and_in_the_reduce
 
 
 @pytest.mark.slow
+def test_convergence_lm_task_runs_diloco_and_counts_the_bytes_of_its_synchronisations(tmp_path):
+    args = [
+        "--task",
+        "lm",
+        "--steps",
+        "6",
+        "--corpus-bytes",
+        "40000",
+        "--compressors",
+        "--baselines",
+        "--adam",
+    ]
+    run_script("convergence.py", *args, "--diloco", "int4:sync_every=3,outer_lr=0.7", "--out", str(tmp_path))
+    rows, _ = read_results(tmp_path, stem("convergence-lm"))
+    assert [r["run"] for r in rows] == ["dense", "DiLoCo int4:sync_every=3,outer_lr=0.7"]
+    net = importlib.import_module("lib.lm").GPT(
+        **importlib.import_module("lib.convergence_lm").LM_MODEL, seed=0
+    )
+    numel = sum(p.numel() for p in net.parameters())
+    # Two synchronisations of int4 in six steps, rank 0's bytes.
+    int4 = gradcomp.collectives.scale.cost("int4", numel, 2).bytes_sent
+    assert float(rows[1]["bytes_per_step"]) == pytest.approx(2 * int4 / 6, rel=1e-12)
+    assert math.isfinite(float(rows[1]["validation_loss"]))
+
+
+@pytest.mark.slow
 def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
     args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
     adam = [

@@ -25,6 +25,7 @@ RUN = {
     "hierarchical": "test_readme_snippets_run",
     "auto": "test_readme_snippets_run",
     "compressed-adam": "test_readme_snippets_run",
+    "diloco": "test_readme_snippets_run",
     "all-reduce": "test_readme_snippets_run",
     "lightning": "test_readme_lightning_snippet_builds_a_trainer_with_the_callback",
     "fsdp": "test_readme_fsdp_snippet_compresses_between_replicas",
@@ -104,6 +105,16 @@ def _run_snippets(rank: int, world_size: int, blocks: dict[str, str], directory:
     numel = sum(p.numel() for p in net.parameters())
     dense = gradcomp.collectives.ring_all_reduce_bytes(numel * 4, world_size)
     assert 0 < scope["optimizer"].last_bytes_sent < dense / 20  # sign updates after the warm-up
+    assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+
+    # DiLoCo, on CPUs, synchronising every 4 of the 12 batches.
+    on_cpu = blocks["diloco"].replace("net.cuda()", "net").replace("sync_every=50", "sync_every=4")
+    assert "cuda" not in on_cpu.replace("# no DDP", "") and "sync_every=4" in on_cpu
+    torch.manual_seed(rank)  # each rank starts elsewhere: DiLoCo broadcasts rank 0's weights
+    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    scope.update(net=net, torch=torch)
+    exec(on_cpu, scope)
+    assert scope["outer"].outer_step == 3 and scope["outer"].last_stats.ratio > 6
     assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
 
     scope = {"gradcomp": gradcomp, "grad": torch.randn(4096, generator=generator)}
