@@ -98,6 +98,11 @@ class DiLoCo:
         self.anchor = [p.detach().clone() for p in self.params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group that averages (for :class:`gradcomp.ddp.Checkpointable`)."""
+        return self.group
+
     def settings(self) -> dict:
         """What every rank must agree on."""
         return {
@@ -151,7 +156,8 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """The anchor, the outer momentum, the residuals and the steps: with the model's
-        and the inner optimizer's own, a run resumes bit for bit, mid-way too."""
+        and the inner optimizer's own, a run resumes bit for bit, mid-way too
+        (``gradcomp.ddp.Checkpointable(outer)`` for ``torch.distributed.checkpoint``)."""
         return {
             "version": SCHEMA_VERSION,
             "settings": self.settings(),

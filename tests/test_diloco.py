@@ -3,6 +3,8 @@ when there is nothing local about it, error feedback conserved, resume bit for b
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -138,25 +140,18 @@ def _resume(rank: int, world: int) -> None:
 
     model, inner, outer = fresh()
     _train(model, inner, outer, range(4), rank)  # one synchronisation, then one step into the next
-    saved = [
-        {k: v.clone() for k, v in model.state_dict().items()},
-        inner.state_dict(),
-        outer.state_dict(),
-    ]
-    saved[1] = {
-        "state": {k: {n: t.clone() for n, t in s.items()} for k, s in saved[1]["state"].items()},
-        "param_groups": saved[1]["param_groups"],
-    }
+    saved = [copy.deepcopy(state.state_dict()) for state in (model, inner)]
+    saved.append(gradcomp.ddp.Checkpointable(outer).state_dict())  # as torch.distributed.checkpoint would
     _train(model, inner, outer, range(4, 8), rank)
     again, again_inner, again_outer = fresh()
     again.load_state_dict(saved[0])
     again_inner.load_state_dict(saved[1])
-    again_outer.load_state_dict(saved[2])
+    gradcomp.ddp.Checkpointable(again_outer).load_state_dict(saved[2])
     _train(again, again_inner, again_outer, range(4, 8), rank)
     assert torch.equal(_flat(again), _flat(model)) and again_outer.outer_step == outer.outer_step == 2
     other = gradcomp.DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), sync_every=4)
     with pytest.raises(ValueError, match="sync_every"):
-        other.load_state_dict(saved[2])
+        gradcomp.ddp.Checkpointable(other).load_state_dict(saved[2])
 
 
 @pytest.mark.slow

@@ -147,7 +147,8 @@ def _full(plan: list) -> list:
 
 
 class Checkpointable:
-    """A hook state (DDP's :class:`HookState`, :class:`gradcomp.fsdp.FSDPState`) for
+    """A state (DDP's :class:`HookState`, :class:`gradcomp.fsdp.FSDPState`, a
+    :class:`gradcomp.DiLoCo`) for
     ``torch.distributed.checkpoint`` (a ``Stateful``):
     one checkpoint directory holds the model, the optimizer and every rank's
     residuals, each rank's under a key of its own.
@@ -196,7 +197,7 @@ class Checkpointable:
             if self.mismatch == "raise":
                 raise ValueError(message + "; resume on as many ranks, or pass mismatch='drop'")
             logger.warning("gradcomp: %s; the residuals start afresh (mismatch='drop')", message)
-            if mine is not None:
+            if mine is not None and "step" in mine:
                 self.state.step = int(mine["step"])
             return
         self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
