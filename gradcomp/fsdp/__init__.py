@@ -165,14 +165,18 @@ class ReplicateHook:
         state.replicate(unit, output, op)
 
 
-class CompressedReduceScatter(ReduceScatter):
+class _Allocates:
+    """FSDP's buffers as its default comms allocate them: plain ``torch.empty``."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CompressedReduceScatter(_Allocates, ReduceScatter):
     """``set_custom_reduce_scatter``'s comm of one unit: FSDP's reduce-scatter, compressed."""
 
     def __init__(self, state: FSDPState, unit: int, param_group):
         self.state, self.unit, self.param_group = state, unit, param_group
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         factor = self.param_group.gradient_divide_factor
@@ -180,15 +184,12 @@ class CompressedReduceScatter(ReduceScatter):
         return None
 
 
-class CompressedParameterGather(AllGather):
+class CompressedParameterGather(_Allocates, AllGather):
     """``set_custom_all_gather``'s comm of one unit: FSDP's parameter all-gather, compressed
     (synchronous: FSDP waits on no work)."""
 
     def __init__(self, state: FSDPState, unit: int):
         self.state, self.unit = state, unit
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         self.state.gather(self.unit, output_tensor, input_tensor, group)

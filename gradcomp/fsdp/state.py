@@ -271,12 +271,13 @@ class FSDPState:
             return None
         key = key_of((unit, "reduce_scatter"))
         residual = self.scatter_feedback.get(key)
-        if residual is None or residual.device != device:
+        if residual is None:
             dtype = torch.bfloat16 if self.options.residual == "bf16" else torch.float32
-            if residual is None:
-                residual = torch.zeros(numel, dtype=dtype, device=device)
-            self.scatter_feedback.set(key, residual.to(device))
-            residual = self.scatter_feedback.get(key)
+            residual = torch.zeros(numel, dtype=dtype, device=device)
+            self.scatter_feedback.set(key, residual)
+        elif residual.device != device:  # restored from a checkpoint on another device
+            residual = residual.to(device)
+            self.scatter_feedback.set(key, residual)
         if residual.numel() != numel:
             raise ValueError(
                 f"unit {unit}'s reduce-scatter residual has {residual.numel()} elements, not {numel}"
