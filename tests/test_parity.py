@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from utils import (
     DTYPES,
     INTERPRETED,
@@ -549,6 +550,46 @@ def test_scatter_add_outside_the_output_makes_element_0_nan(on):
         torch.cuda.synchronize()  # a trap would raise here, and every later CUDA call too
     assert out[0].isnan()
     assert torch.equal(out[1:].cpu(), torch.tensor([1.0, 0, 3.0, 0, 0, 0, 0, 0, 0]))
+
+
+class _ScalarDivisions(TorchDispatchMode):
+    """Records divisions by a Python number or a 0-dim tensor: on CUDA torch
+    computes those as a multiplication by the reciprocal
+    (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, ``div_true_kernel_cuda``
+    under ``iter.is_cpu_scalar(2)``), one ulp off the kernels' division at times."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().split("::")[-1].split(".")[0] in ("div", "div_", "true_divide", "true_divide_"):
+            divisor = args[1]
+            if not isinstance(divisor, torch.Tensor) or divisor.dim() == 0:
+                self.found.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_reference_divides_as_the_kernels_do_on_every_device():
+    """A scale is peak / levels and a mean sum / ranks, rounded once: the
+    reference never divides by a scalar, which torch on CUDA does otherwise."""
+    x = seeded_randn(3000, seed=4)
+    rows = torch.zeros(3, 4096, dtype=torch.uint8)
+    with _ScalarDivisions() as mode:
+        for bits, scale in ((8, "absmax"), (4, "absmax"), (4, "norm"), (2, "absmax")):
+            levels = 2 ** (bits - 1) - 1
+            options = {"residual": torch.zeros(3000), "levels": levels, "scale": scale}
+            codes, scales = reference.quantize_blockwise(x, bits, 256, **options)
+            reference.dequantize_blockwise(codes, scales, bits, 256, 3000, levels=levels)
+        for r in range(3):
+            reference.quantize_rows(x, 8, 256, 3072, rows[r : r + 1], levels=127)
+        reference.dequantize_sum(rows, 8, 256, 3000, torch.zeros(3000), levels=127, divisor=3)
+        signs, scales = reference.sign_compress(x, 256, torch.zeros(3000))
+        reference.sign_decompress(signs, scales, 256, 3000)
+        for r in range(3):
+            reference.sign_compress_rows(x, 256, 3072, rows[r : r + 1])
+        reference.sign_decompress_sum(rows, 256, 3000, torch.zeros(3000), divisor=3)
+    assert mode.found == []
 
 
 # ----------------------------------------------------------------------------- compressors

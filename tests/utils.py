@@ -65,7 +65,7 @@ def mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
     """Where two tensors differ: how many, and the first few pairs."""
     expected, actual = expected.cpu(), actual.cpu()
     differ = (expected != actual) & ~(expected.isnan() & actual.isnan())
-    where = torch.nonzero(differ).view(-1)[:5].tolist()
+    where = torch.nonzero(differ).reshape(-1)[:5].tolist()
     return f"{int(differ.sum())} of {expected.numel()} differ, first at {where}: " + ", ".join(
         f"{expected[i].item()} vs {actual[i].item()}" for i in where
     )

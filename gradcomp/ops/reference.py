@@ -52,6 +52,17 @@ def code_bits(levels: int) -> int:
     raise ValueError(f"levels={levels} needs more than 8 bits per code")
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded once, as the kernels and torch on CPU divide.
+
+    On CUDA, torch divides by a Python number (or a 0-dim CPU tensor) as a
+    multiplication by its reciprocal, one ulp off at times
+    (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, ``div_true_kernel_cuda``
+    under ``iter.is_cpu_scalar(2)``); a divisor on the device is divided by.
+    """
+    return x / torch.full((1,), float(divisor), dtype=torch.float32, device=x.device)
+
+
 def compensate(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``x + residual`` in fp32, flattened (a fresh tensor: never aliases ``x``)."""
     if residual is None:
@@ -200,7 +211,7 @@ def quantize_blockwise(
         # Scaled by the absmax first: squaring values above ~1.8e19 overflows fp32.
         safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak)).unsqueeze(1)
         peak = (blocks / safe_peak).norm(dim=1) * peak
-    scales = peak / levels
+    scales = divide(peak, levels)
     over = torch.isfinite(scales) & ~torch.isfinite(scales * levels)
     scales.view(torch.int32)[over] -= 1  # positive floats: the next one down
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
@@ -344,7 +355,7 @@ def decode_sum(rows, block: int, bits: int, out: torch.Tensor, divisor: int, dec
     total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
     for row in rows:
         decode(*read_row(row, block, bits, numel), numel, total, True)
-    out.view(-1).copy_(total / divisor if divisor != 1 else total)
+    out.view(-1).copy_(divide(total, divisor) if divisor != 1 else total)
     return out
 
 
