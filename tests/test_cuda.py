@@ -164,23 +164,25 @@ def test_not_available_for_cpu_tensors():
 
 
 @pytest.mark.parametrize(
-    "driver, capability, loads, expected",
+    "driver, runtime, capability, loads, expected",
     [
-        (13000, (9, 0), True, None),
-        (12080, (9, 0), True, "the driver supports CUDA 12.8, CuPy needs CUDA 13.0"),
-        (13000, (7, 5), True, "compute capability 7.5 is older than the fatbins' sm_80"),
-        (13000, (9, 0), False, "the kernels do not load (no kernel image is available)"),
+        (13000, 13000, (9, 0), True, None),
+        # An H200's driver 580 (CUDA 13.0) with CuPy 14.2's CUDA 13.2 runtime: minor versions are compatible.
+        (13000, 13020, (9, 0), True, None),
+        (12080, 13000, (9, 0), True, "the driver supports CUDA 12.8, CuPy needs CUDA 13.0"),
+        (13000, 13000, (7, 5), True, "compute capability 7.5 is older than the fatbins' sm_80"),
+        (13000, 13000, (9, 0), False, "the kernels do not load (no kernel image is available)"),
     ],
 )
 def test_availability_checks_driver_architecture_and_loading(
-    monkeypatch, caplog, driver, capability, loads, expected
+    monkeypatch, caplog, driver, runtime, capability, loads, expected
 ):
     """A GPU the kernels cannot run on turns the backend off, with the reason
     logged, and the ops fall back to Triton instead of failing at launch."""
 
     class Runtime:
         driverGetVersion = staticmethod(lambda: driver)  # noqa: N815 - CuPy's names
-        runtimeGetVersion = staticmethod(lambda: 13000)  # noqa: N815
+        runtimeGetVersion = staticmethod(lambda: runtime)  # noqa: N815
 
     class FakeCupy:
         class cuda:  # noqa: N801 - CuPy's name
@@ -248,8 +250,12 @@ def test_a_built_fatbin_is_what_runs(tmp_path, monkeypatch):
 @on_gpu
 def test_cuda_backend_is_preferred_for_its_ops(monkeypatch):
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
+    monkeypatch.setattr(ops, "_CHOSEN", {})  # choices other tests made under their fakes
+    cuda_backend.unavailable_reason.cache_clear()
+    assert cuda_backend.unavailable_reason(torch.cuda.current_device()) is None
     for op in FUNCTIONS:
-        assert ops.implementation(op, DEVICE) is FUNCTIONS[op]
+        chosen = ops.implementation(op, DEVICE)
+        assert chosen is FUNCTIONS[op], f"{op} from {chosen.__module__}"
     monkeypatch.setenv("GRADCOMP_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="quantize_blockwise"):
         ops.implementation("quantize_blockwise", DEVICE)

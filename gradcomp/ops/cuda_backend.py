@@ -153,7 +153,9 @@ def _find_unavailable_reason(device_index: int) -> str | None:
         driver, runtime = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
     except Exception as error:  # noqa: BLE001 - any CUDA error means: not usable
         return f"CuPy cannot query the CUDA driver ({error})"
-    if driver < runtime:
+    # A driver runs what any runtime of its major version built (CUDA's minor version
+    # compatibility); what it cannot load (PTX newer than it) the load check below finds.
+    if driver // 1000 < runtime // 1000:
         return f"the driver supports CUDA {_version(driver)}, CuPy needs CUDA {_version(runtime)}"
     capability = torch.cuda.get_device_capability(device_index)
     if capability < OLDEST_CAPABILITY and all(_fatbin(family) is not None for family in FAMILIES):
