@@ -36,8 +36,10 @@ from .common import (
 
 
 # `levels` is 1 for int2 and QSGD(levels=1): specialised, it would reach the
-# kernel as a Python int, which has no `.to`.
-@triton.jit(do_not_specialize=["levels"])
+# kernel as a Python int, which has no `.to`. `seed` changes every step: typed
+# by its value (i32 below 2**31, else i64) and specialised on divisibility by 16,
+# it would compile the kernel again for each kind of seed in a training run.
+@triton.jit(do_not_specialize=["levels", "seed"])
 def _quantize_kernel(
     x_ptr,
     residual_ptr,
@@ -46,7 +48,7 @@ def _quantize_kernel(
     numel,
     block,
     levels,
-    seed,
+    seed: tl.int64,
     chunk_blocks,
     total_blocks,
     row_stride,

@@ -45,8 +45,20 @@ def _permute(x, half_bits, key0, key1, key2, key3):
     return (left << half_bits) | right
 
 
-@triton.jit
-def _randk_indices_kernel(out_ptr, k, numel, half_bits, key0, key1, key2, key3, BLOCK: tl.constexpr):
+# The keys change with every step's seed: one type (a 32-bit key is an i32 or an
+# i64 by its value) and no specialisation, or each new kind of key compiles again.
+@triton.jit(do_not_specialize=["key0", "key1", "key2", "key3"])
+def _randk_indices_kernel(
+    out_ptr,
+    k,
+    numel,
+    half_bits,
+    key0: tl.int64,
+    key1: tl.int64,
+    key2: tl.int64,
+    key3: tl.int64,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < k
     chosen = _permute(offsets, half_bits, key0, key1, key2, key3)

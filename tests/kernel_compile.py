@@ -115,6 +115,8 @@ def _compile(original, function, args, kwargs, grid, records: list[dict], wide: 
             if name in function.arg_names
         ),
         arch=kernel.metadata.target.arch,
+        # What a launch is specialised on besides types and constants (divisibility by 16).
+        attrs=repr(sorted(kernel.src.attrs.items())),
     )
     records.append(record)
     return kernel
@@ -331,6 +333,18 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
         add(
             f"randk_indices numel={numel} k={k}",
             lambda numel=numel, k=k: kernels.randk_indices(numel, k, 11, [1, 2, 3, 4], "cpu"),
+        )
+    # Keys and seeds change every step: each kind of value must reuse one
+    # specialization (small and large, divisible by 16 or not, equal to 1).
+    for keys in ([1, 2, 3, 4], [16, 2**31 + 5, 2**32 - 1, 32]):
+        add(
+            f"randk_indices numel=4097 k=41 seeded keys={keys}",
+            lambda keys=keys: kernels.randk_indices(4097, 41, 11, keys, "cpu"),
+        )
+    for seed in (5, 16, 2**40 + 16, 1):
+        add(
+            f"quantize x=float32 bits=8 stochastic=True seeded seed={seed}",
+            lambda seed=seed: kernels.quantize_blockwise(tensor(4096), 8, 256, True, seed, None, levels=127),
         )
     for x_name, residual, value_name in itertools.product(FLOATS, residuals, FLOATS[:3]):
         if residual == "same" and x_name == "float32":

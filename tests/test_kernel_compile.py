@@ -70,6 +70,13 @@ def check(defined: list[str], records: list[dict]) -> None:
         and r["fma"] + r["ftz"] + r["approximate"]
     ]
     assert not inexact, "exact kernels with instructions that round otherwise:\n" + "\n".join(inexact[:10])
+    seeded: dict[tuple, set] = {}
+    for r in records:
+        if " seeded " in r["case"]:
+            group = (r["case"].split(" seeded ")[0], r["kernel"], r["wide"], r["target"])
+            seeded.setdefault(group, set()).add(json.dumps([r["signature"], r["constants"], r["attrs"]]))
+    again = [f"{group}: {len(kinds)} specializations" for group, kinds in seeded.items() if len(kinds) > 1]
+    assert not again, "kernels compiled again for another seed (a step in training):\n" + "\n".join(again)
 
 
 @pytest.mark.slow
@@ -78,6 +85,8 @@ def test_every_specialization_compiles_for_sm80_and_sm90():
     check(defined, records)
     assert {r["target"] for r in records} == {80, 90}
     assert any(r["wide"] for r in records), "no 64-bit size was compiled"
+    seeded = {r["kernel"] for r in records if " seeded " in r["case"]}
+    assert seeded >= {"_quantize_kernel", "_randk_indices_kernel"}, seeded
 
 
 @pytest.mark.slow
