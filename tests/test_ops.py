@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
 
 import pytest
 import torch
 from utils import DTYPES, EPS32, REFERENCE, assert_conserved, assert_unbiased, block_view, seeded_randn
 
-from gradcomp import ops
+from gradcomp import ops, streams
 from gradcomp.ops import cpu_backend, index_cache, reference
 
 CPU = torch.device("cpu")
@@ -704,6 +705,28 @@ def test_randk_indices_recent_ones_are_reused_as_copies(monkeypatch):
     assert torch.equal(again, again.sort().values)
     cpu_backend.randk_indices(100_000, 1000, seed=78)  # another seed is computed
     assert calls
+
+
+def test_randk_indices_are_remembered_per_device_whatever_its_name(monkeypatch):
+    """``cuda`` is the current CUDA device: its indices are those of ``cuda:N``."""
+
+    class Cuda:  # torch.cuda as the cache uses it: the current device and its stream
+        @staticmethod
+        def current_device():
+            return 1
+
+        @staticmethod
+        def current_stream(device):
+            assert device == torch.device("cuda", 1), device
+            return types.SimpleNamespace(stream_id=7)
+
+    monkeypatch.setattr(index_cache, "_recent", {})
+    monkeypatch.setattr(streams, "cuda", Cuda)
+    calls = []
+    compute = lambda: calls.append(1) or torch.arange(5)  # noqa: E731
+    for name in ("cuda:1", "cuda", "cuda:1"):
+        index_cache.remembered("triton", 100, 5, 3, torch.device(name), compute)
+    assert len(calls) == 1
 
 
 def test_randk_select_finite_input_stays_finite():

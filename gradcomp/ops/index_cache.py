@@ -26,6 +26,8 @@ def remembered(
 ) -> torch.Tensor:
     """A copy of ``backend``'s random-K indices for these arguments: ``compute()``
     unless they are among the last few asked for."""
+    if streams.uses_streams(device) and device.index is None:
+        device = torch.device(device.type, streams.cuda.current_device())  # "cuda" is "cuda:N": one key
     key = (backend, numel, k, seed, device, streams.current_stream_id(device))
     with _lock:
         cached = _recent.get(key)
