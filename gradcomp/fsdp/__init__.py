@@ -196,6 +196,15 @@ class CompressedParameterGather(_Allocates, AllGather):
         return None
 
 
+def _param_groups(state) -> list:
+    """A unit's parameter groups: torch 2.11 holds one (``_fsdp_param_group``,
+    None without parameters), torch 2.13 a list (``_fsdp_param_groups``)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def fsdp_units(model: torch.nn.Module) -> list[tuple[FSDPModule, object]]:
     """Every FSDP2 unit of ``model`` with parameters, and its one parameter group, in
     module order (the same on every rank); ``ValueError`` for what cannot be compressed."""
@@ -203,7 +212,7 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[FSDPModule, object]]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = _param_groups(module._get_fsdp_state())
         if len(groups) > 1:
             raise ValueError(
                 f"FSDP unit {name or '(root)'!r} holds {len(groups)} parameter groups (shard_placement_fn "
