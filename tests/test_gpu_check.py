@@ -40,6 +40,14 @@ def test_every_section_script_imports(module):
     importlib.import_module(module)
 
 
+def test_memcheck_of_a_backend_that_cannot_run_fails():
+    """No call checks nothing: the cuda backend off on the GPU must fail its section."""
+    import gpu_memcheck
+
+    assert gpu_memcheck.main(["--dry-run", "--backend", "cuda"]) == 1
+    assert gpu_memcheck.main(["--dry-run", "--backend", "cpu"]) == 0
+
+
 def test_the_script_parses():
     result = subprocess.run(["bash", "-n", SCRIPT], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
