@@ -7,6 +7,13 @@ compressed all-reduce with error feedback, and an outer optimizer (SGD with
 Nesterov momentum) moves the anchor; every rank takes the new anchor as its
 weights. Replicas are identical after every synchronisation: every rank decodes
 the same average and applies the same outer step.
+
+With ``fragments=F`` (Streaming DiLoCo) the parameters are F parts that
+synchronise in turn, one every ``sync_every / F`` steps, each still every
+``sync_every``; with ``overlap_steps=T`` a part's exchange runs on gradcomp's
+worker while training goes on, and its outer step lands T inner steps later,
+on top of what the rank learnt meanwhile. The anchors are then identical on
+every rank at every step, the weights after :meth:`DiLoCo.synchronize`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,24 @@ from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.feedback import ErrorFeedback
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-fragment outer steps and exchanges in flight (1 read with one fragment)
+
+
+class _Exchange:
+    """One fragment's pseudo-gradients on their way: one all-reduce per dtype."""
+
+    def __init__(self, fragment: int, lands: int):
+        self.fragment, self.lands = fragment, lands
+        self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, delta, work or None)
+        self.snapshot: list[torch.Tensor] | None = None  # the weights it was taken from (overlapped)
+
+    def wait(self) -> ReduceStats | None:
+        stats = None
+        for n, (indices, delta, work) in enumerate(self.parts):
+            if work is not None:
+                stats = work.get_future().wait()
+                self.parts[n] = (indices, delta, None)
+        return stats
 
 
 class DiLoCo:
@@ -37,6 +61,12 @@ class DiLoCo:
             Nesterov).
         group: the ranks that average (default the world).
         algorithm: the all-reduce's (default from the compressor and the group).
+        fragments: parts of the parameters (consecutive, of about equal size)
+            synchronised in turn, fragment f at the steps ``t`` with
+            ``t % sync_every == (f + 1) * sync_every // fragments % sync_every``.
+        overlap_steps: inner steps a fragment's exchange runs beside training
+            before its outer step lands (0: at once, training waits); below
+            ``sync_every``.
         compressor_options: the compressor's own options (``ratio``, ``block``...).
 
     Example:
@@ -58,11 +88,20 @@ class DiLoCo:
         nesterov: bool = True,
         group: dist.ProcessGroup | None = None,
         algorithm: str | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
         **compressor_options,
     ):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        if not _is_int(sync_every) or sync_every < 1:
             raise ValueError(
                 f"sync_every must be an int >= 1 (inner steps between synchronisations), got {sync_every!r}"
+            )
+        if not _is_int(fragments) or fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
+        if not _is_int(overlap_steps) or not 0 <= overlap_steps < sync_every:
+            raise ValueError(
+                f"overlap_steps must be an int in [0, sync_every={sync_every}) (a fragment's exchange "
+                f"lands before its next one starts), got {overlap_steps!r}"
             )
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
@@ -84,8 +123,15 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trained parameters")
+        if fragments > len(self.params):
+            raise ValueError(
+                f"fragments={fragments} is more than the model's {len(self.params)} trained parameters"
+            )
+        self.fragments = _split([p.numel() for p in self.params], fragments)
+        self.overlap_steps = overlap_steps
         self.local_step = 0  # inner steps taken (step() calls)
-        self.outer_step = 0  # synchronisations done
+        self.outer_steps = [0] * fragments  # synchronisations done, per fragment
+        self.in_flight: list[_Exchange] = []
         self.feedback = ErrorFeedback()
         self.last_stats: ReduceStats | None = None
         ranks = InlineGroup(group)
@@ -111,75 +157,184 @@ class DiLoCo:
             "algorithm": self.algorithm,
             "outer": (self.outer_lr, self.outer_momentum, self.nesterov),
             "shapes": [(tuple(p.shape), str(p.dtype)) for p in self.params],
+            "fragments": len(self.fragments),
+            "overlap_steps": self.overlap_steps,
         }
+
+    @property
+    def outer_step(self) -> int:
+        """Synchronisations of the whole model done (of its last fragment)."""
+        return self.outer_steps[-1]
+
+    def _starts(self, step: int) -> list[int]:
+        """The fragments whose exchange starts at inner step ``step``."""
+        h, count = self.sync_every, len(self.fragments)
+        return [f for f in range(count) if step % h == (f + 1) * h // count % h]
 
     @torch.no_grad()
     def step(self) -> ReduceStats | None:
-        """Count an inner step; every ``sync_every``-th: average the pseudo-gradients
-        (compressed), take the outer step and load its weights. Its statistics, or None."""
+        """Count an inner step; land the exchanges due now, then start those of the
+        fragments whose turn it is (with ``overlap_steps=0`` they land at once: the
+        outer step is taken and its weights loaded). The last landing's statistics, or None."""
         self.local_step += 1
-        if self.local_step % self.sync_every:
-            return None
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            indices = [i for i, p in enumerate(self.params) if p.dtype == dtype]
-            delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in indices])
-            options = {"algorithm": self.algorithm} if self.algorithm is not None else {}
-            self.last_stats = all_reduce(
+        stats = None
+        for exchange in [e for e in self.in_flight if e.lands == self.local_step]:
+            stats = self._land(exchange)
+        for fragment in self._starts(self.local_step):
+            exchange = self._start(fragment, self.local_step + self.overlap_steps)
+            if not self.overlap_steps:
+                stats = self._land(exchange)
+        return stats
+
+    @torch.no_grad()
+    def synchronize(self) -> ReduceStats | None:
+        """Land every exchange in flight, then exchange every fragment at once and
+        land it: the weights are then identical on every rank (for the end of a run,
+        or before evaluating). Every rank calls it at the same step."""
+        stats = None
+        for exchange in list(self.in_flight):
+            stats = self._land(exchange)
+        for fragment in range(len(self.fragments)):
+            stats = self._land(self._start(fragment, self.local_step))
+        return stats
+
+    def _start(self, fragment: int, lands: int) -> _Exchange:
+        """Send fragment's pseudo-gradients (anchor - weights) into the all-reduce."""
+        exchange = _Exchange(fragment, lands)
+        indices = self.fragments[fragment]
+        if lands > self.local_step:  # training goes on: what it learns meanwhile is kept
+            exchange.snapshot = [self.params[i].detach().clone() for i in indices]
+        options = {"algorithm": self.algorithm} if self.algorithm is not None else {}
+        for dtype in sorted({self.params[i].dtype for i in indices}, key=str):
+            typed = [i for i in indices if self.params[i].dtype == dtype]
+            delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in typed])
+            name = ("diloco", str(dtype)) if len(self.fragments) == 1 else ("diloco", fragment, str(dtype))
+            work = all_reduce(
                 delta,
                 self.compressor,
                 self.group,
+                async_op=True,
                 feedback=self.feedback,
-                name=("diloco", str(dtype)),
-                step=self.outer_step,
+                name=name,
+                step=self.outer_steps[fragment],
                 **options,
             )
+            exchange.parts.append((typed, delta, work))
+        self.in_flight.append(exchange)
+        return exchange
+
+    def _land(self, exchange: _Exchange) -> ReduceStats | None:
+        """Wait for the average, take the outer step on the anchor, load the weights."""
+        stats = exchange.wait()
+        if stats is not None:
+            self.last_stats = stats
+        first = self.outer_steps[exchange.fragment] == 0
+        for indices, delta, _ in exchange.parts:
             offset = 0
             for i in indices:
                 numel = self.params[i].numel()
-                self._outer(i, delta[offset : offset + numel].view_as(self.params[i]))
+                self._outer(i, delta[offset : offset + numel].view_as(self.params[i]), first)
                 offset += numel
-        self.outer_step += 1
-        return self.last_stats
+        indices = self.fragments[exchange.fragment]
+        if exchange.snapshot is None:
+            for i in indices:
+                self.params[i].copy_(self.anchor[i])
+        else:  # the new anchor, and what this rank learnt since the exchange started
+            for i, taken in zip(indices, exchange.snapshot, strict=True):
+                self.params[i].sub_(taken).add_(self.anchor[i])
+        self.outer_steps[exchange.fragment] += 1
+        self.in_flight.remove(exchange)
+        return stats
 
-    def _outer(self, i: int, gradient: torch.Tensor) -> None:
+    def _outer(self, i: int, gradient: torch.Tensor, first: bool) -> None:
         """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it."""
         update = gradient
         if self.outer_momentum:
             buffer = self.momentum[i]
-            if self.outer_step == 0:
+            if first:
                 buffer.copy_(gradient)
             else:
                 buffer.mul_(self.outer_momentum).add_(gradient)
             update = gradient.add(buffer, alpha=self.outer_momentum) if self.nesterov else buffer
         self.anchor[i].add_(update, alpha=-self.outer_lr)
-        self.params[i].copy_(self.anchor[i])
 
     def state_dict(self) -> dict:
-        """The anchor, the outer momentum, the residuals and the steps: with the model's
-        and the inner optimizer's own, a run resumes bit for bit, mid-way too
-        (``gradcomp.ddp.Checkpointable(outer)`` for ``torch.distributed.checkpoint``)."""
+        """The anchor, the outer momentum, the residuals, the steps and the exchanges in
+        flight (waited for: their averages are kept, to land at their step): with the
+        model's and the inner optimizer's own, a run resumes bit for bit, mid-way and
+        mid-fragment too (``gradcomp.ddp.Checkpointable(outer)`` for
+        ``torch.distributed.checkpoint``)."""
+        for exchange in self.in_flight:
+            exchange.wait()
         return {
             "version": SCHEMA_VERSION,
             "settings": self.settings(),
             "local_step": self.local_step,
-            "outer_step": self.outer_step,
+            "outer_steps": list(self.outer_steps),
             "anchor": [t.clone() for t in self.anchor],
             "momentum": [t.clone() for t in self.momentum],
             "feedback": self.feedback.state_dict(),
+            "in_flight": [
+                {
+                    "fragment": e.fragment,
+                    "lands": e.lands,
+                    "deltas": [delta.clone() for _, delta, _ in e.parts],
+                    "snapshot": None if e.snapshot is None else [t.clone() for t in e.snapshot],
+                }
+                for e in self.in_flight
+            ],
         }
 
     def load_state_dict(self, saved: dict) -> None:
-        if saved.get("version") != SCHEMA_VERSION:
-            raise ValueError(
-                f"DiLoCo state of schema {saved.get('version')!r}; this version reads {SCHEMA_VERSION}"
-            )
-        if saved["settings"] != self.settings():
-            differ = sorted(k for k, v in self.settings().items() if saved["settings"].get(k) != v)
+        version = saved.get("version")
+        ours = self.settings()
+        if version == 1 and ours["fragments"] == 1 and not ours["overlap_steps"]:
+            saved = {**saved, "outer_steps": [saved["outer_step"]], "in_flight": []}
+            saved["settings"] = {**saved["settings"], "fragments": 1, "overlap_steps": 0}
+        elif version != SCHEMA_VERSION:
+            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads {SCHEMA_VERSION}")
+        if saved["settings"] != ours:
+            differ = sorted(k for k, v in ours.items() if saved["settings"].get(k) != v)
             raise ValueError(f"the checkpoint's DiLoCo settings differ in {differ}")
-        self.local_step, self.outer_step = int(saved["local_step"]), int(saved["outer_step"])
+        for exchange in self.in_flight:  # nothing of this run may still write a residual
+            exchange.wait()
+        self.local_step = int(saved["local_step"])
+        self.outer_steps = [int(n) for n in saved["outer_steps"]]
         with torch.no_grad():
             for mine, theirs in zip(
                 [*self.anchor, *self.momentum], [*saved["anchor"], *saved["momentum"]], strict=True
             ):
                 mine.copy_(theirs)
         self.feedback.load_state_dict(saved["feedback"])
+        self.in_flight = []
+        device = self.params[0].device
+        for entry in saved["in_flight"]:
+            exchange = _Exchange(int(entry["fragment"]), int(entry["lands"]))
+            indices = self.fragments[exchange.fragment]
+            dtypes = sorted({self.params[i].dtype for i in indices}, key=str)
+            for dtype, delta in zip(dtypes, entry["deltas"], strict=True):
+                typed = [i for i in indices if self.params[i].dtype == dtype]
+                exchange.parts.append((typed, delta.to(device), None))
+            if entry["snapshot"] is not None:
+                exchange.snapshot = [t.to(device) for t in entry["snapshot"]]
+            self.in_flight.append(exchange)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _split(sizes: list[int], count: int) -> list[list[int]]:
+    """``count`` runs of consecutive indices of ``sizes``, none empty, each ending where
+    the running total first reaches its share of the whole."""
+    total, runs, current, running = sum(sizes), [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        running += size
+        left = len(sizes) - i - 1  # indices still to place
+        wanted = count - len(runs) - 1  # runs still to open after this one
+        if wanted and (running * count >= total * (len(runs) + 1) or left == wanted):
+            runs.append(current)
+            current = []
+    runs.append(current)
+    return runs

@@ -46,6 +46,11 @@ def _flat(model) -> torch.Tensor:
         ({"sync_every": 2, "outer_lr": 0.0}, "outer_lr"),
         ({"sync_every": 2, "outer_momentum": 1.0}, "outer_momentum"),
         ({"sync_every": 2, "compressor": "auto", "block": 64}, "no compressor options"),
+        ({"sync_every": 4, "fragments": 0}, "fragments"),
+        ({"sync_every": 4, "fragments": 1.5}, "fragments"),
+        ({"sync_every": 4, "fragments": 5}, "more than the model's 4 trained parameters"),
+        ({"sync_every": 4, "overlap_steps": 4}, "overlap_steps"),
+        ({"sync_every": 4, "overlap_steps": -1}, "overlap_steps"),
     ],
 )
 def test_bad_options_are_refused(options, match):
@@ -157,6 +162,110 @@ def _resume(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_resume_continues_bit_for_bit_between_synchronisations():
     run_ranks(_resume, 2)
+
+
+def test_fragments_take_turns_each_every_sync_every_steps():
+    """Streaming DiLoCo's schedule: F parts of about equal size, consecutive, each
+    exchanged every H steps, their turns spread over the H steps."""
+    outer = gradcomp.DiLoCo.__new__(gradcomp.DiLoCo)  # the schedule alone, without a group
+    outer.sync_every, outer.fragments = 8, [[0], [1], [2], [3]]
+    turns = {step: outer._starts(step) for step in range(1, 17)}
+    assert {step: f for step, f in turns.items() if f} == {
+        2: [0],
+        4: [1],
+        6: [2],
+        8: [3],
+        10: [0],
+        12: [1],
+        14: [2],
+        16: [3],
+    }
+    outer.fragments = [[0, 1, 2, 3]]
+    assert [step for step in range(1, 17) if outer._starts(step)] == [8, 16]
+
+
+def _overlapped(rank: int, world: int) -> None:
+    """An exchange started at step t lands at t + T: the anchor moves by the ranks' mean
+    pseudo-gradient of step t, and the weights keep what each rank learnt since t.
+    Anchors are identical on every rank at every step; weights after synchronize()."""
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 2, "overlap_steps": 2}
+    outer = gradcomp.DiLoCo(model, inner, sync_every=4, compressor="none", **options)
+    taken = {}
+
+    def check(step: int) -> None:
+        assert same_on_all_ranks(torch.cat([a.reshape(-1) for a in outer.anchor])), f"step {step}"
+        local = outer.local_step
+        for exchange in outer.in_flight:
+            if exchange.lands == local + 2:  # started at this step
+                indices = outer.fragments[exchange.fragment]
+                snapshot = torch.cat([t.reshape(-1) for t in exchange.snapshot])
+                anchor = torch.cat([outer.anchor[i].reshape(-1) for i in indices])
+                taken[exchange.lands] = (exchange.fragment, snapshot, anchor)
+        if local in taken:
+            fragment, snapshot, anchor = taken.pop(local)
+            indices = outer.fragments[fragment]
+            gathered = [torch.empty_like(snapshot) for _ in range(world)]
+            dist.all_gather(gathered, snapshot)
+            mean = anchor - sum(anchor - g for g in gathered) / world
+            now = torch.cat([outer.anchor[i].reshape(-1) for i in indices])
+            torch.testing.assert_close(now, mean, rtol=0, atol=1e-6)
+            learnt = before[0] - snapshot
+            weights = torch.cat([outer.params[i].detach().reshape(-1) for i in indices])
+            torch.testing.assert_close(weights, now + learnt, rtol=0, atol=1e-6)
+
+    before = [None]
+    for step in range(12):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        lands = [e for e in outer.in_flight if e.lands == outer.local_step + 1]
+        if lands:
+            indices = outer.fragments[lands[0].fragment]
+            before[0] = torch.cat([outer.params[i].detach().reshape(-1).clone() for i in indices])
+        outer.step()
+        check(step)
+    assert outer.outer_steps == [3, 2] and len(outer.in_flight) == 1  # fragment 1's of step 12 in flight
+    assert not same_on_all_ranks(_flat(model))
+    outer.synchronize()
+    assert same_on_all_ranks(_flat(model)) and not outer.in_flight and outer.outer_steps == [4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_fragments_land_late_on_what_each_rank_learnt(world):
+    run_ranks(_overlapped, world)
+
+
+def _resume_mid_fragment(rank: int, world: int) -> None:
+    def fresh():
+        model = _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"fragments": 2, "overlap_steps": 2}
+        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=4, compressor="int4", **options)
+
+    model, inner, outer = fresh()
+    _train(model, inner, outer, range(5), rank)  # fragment 1's exchange of step 4 lands at 6
+    assert [e.fragment for e in outer.in_flight] == [1]
+    saved = [copy.deepcopy(state.state_dict()) for state in (model, inner)]
+    saved.append(gradcomp.ddp.Checkpointable(outer).state_dict())
+    _train(model, inner, outer, range(5, 11), rank)
+    again, again_inner, again_outer = fresh()
+    again.load_state_dict(saved[0])
+    again_inner.load_state_dict(saved[1])
+    gradcomp.ddp.Checkpointable(again_outer).load_state_dict(saved[2])
+    _train(again, again_inner, again_outer, range(5, 11), rank)
+    assert torch.equal(_flat(again), _flat(model))
+    assert again_outer.outer_steps == outer.outer_steps == [2, 2]
+    for mine, theirs in zip(again_outer.feedback.keys(), outer.feedback.keys(), strict=True):
+        assert torch.equal(again_outer.feedback.get(mine), outer.feedback.get(theirs))
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_for_bit_mid_fragment():
+    run_ranks(_resume_mid_fragment, 2)
 
 
 def _disagree(rank: int, world: int) -> None:
