@@ -38,11 +38,12 @@ class _Exchange:
         self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, delta, work or None)
         self.snapshot: list[torch.Tensor] | None = None  # the weights it was taken from (overlapped)
 
-    def wait(self) -> ReduceStats | None:
-        stats = None
+    def wait(self) -> list[ReduceStats]:
+        """Every part's statistics (none for a part restored from a checkpoint)."""
+        stats = []
         for n, (indices, delta, work) in enumerate(self.parts):
             if work is not None:
-                stats = work.get_future().wait()
+                stats.append(work.get_future().wait())
                 self.parts[n] = (indices, delta, None)
         return stats
 
@@ -132,6 +133,7 @@ class DiLoCo:
         self.local_step = 0  # inner steps taken (step() calls)
         self.outer_steps = [0] * fragments  # synchronisations done, per fragment
         self.in_flight: list[_Exchange] = []
+        self.bytes_sent = 0  # by this rank, every exchange landed so far
         self.feedback = ErrorFeedback()
         self.last_stats: ReduceStats | None = None
         ranks = InlineGroup(group)
@@ -225,9 +227,11 @@ class DiLoCo:
 
     def _land(self, exchange: _Exchange) -> ReduceStats | None:
         """Wait for the average, take the outer step on the anchor, load the weights."""
-        stats = exchange.wait()
+        parts = exchange.wait()
+        stats = parts[-1] if parts else None
         if stats is not None:
             self.last_stats = stats
+        self.bytes_sent += sum(part.bytes_sent for part in parts)
         first = self.outer_steps[exchange.fragment] == 0
         for indices, delta, _ in exchange.parts:
             offset = 0

@@ -106,7 +106,8 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
     return ":".join([name, ",".join(kept)]) if kept else name, sharded
 
 
-DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
+DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps")
+DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps")
 
 
 def parse_diloco(spec: str) -> dict:
@@ -118,7 +119,7 @@ def parse_diloco(spec: str) -> dict:
         key, _, value = (part.strip() for part in item.partition("="))
         if key in DILOCO_OPTIONS:
             try:
-                outer[key] = int(value) if key == "sync_every" else float(value)
+                outer[key] = int(value) if key in DILOCO_INTEGERS else float(value)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{key} must be a number (in {spec!r})") from None
         else:
@@ -238,8 +239,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         if adam:
             adam_bytes.append(optimizer.last_bytes_sent)
         if outer is not None:
-            exchanged = outer.step()
-            adam_bytes.append(exchanged.bytes_sent if exchanged is not None else 0)
+            outer.step()
+            if step + 1 == steps and (outer.in_flight or len(outer.fragments) > 1):
+                outer.synchronize()  # every fragment, landed: the model every rank holds
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
     shapes = [tuple(p.shape) for p in net.parameters()]
@@ -248,7 +250,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
         dense_bytes = statistics.mean(s.dense_bytes for s in state.stats)
-    elif adam or diloco:
+    elif diloco:
+        sent = outer.bytes_sent / steps
+    elif adam:
         sent = statistics.mean(adam_bytes)
     elif run["kind"] == "fp16_hook":
         sent = dense_bytes / 2
