@@ -128,8 +128,8 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME[:k=v,...]",
         help="lm: DiLoCo runs, pseudo-gradients through NAME (its options, and sync_every=H, "
-        "outer_lr, outer_momentum, fragments, overlap_steps); each rank trains with AdamW between "
-        "synchronisations",
+        "outer_lr, outer_momentum, fragments, overlap_steps, and lr, the inner AdamW's); each rank "
+        "trains with AdamW between synchronisations",
     )
     top.add_argument(
         "--epochs", type=int, default=150, help="mlp: passes over the training set (default 150)"

@@ -394,9 +394,11 @@ def test_convergence_lm_task_runs_diloco_and_counts_the_bytes_of_its_synchronisa
         "--baselines",
         "--adam",
     ]
-    run_script("convergence.py", *args, "--diloco", "int4:sync_every=3,outer_lr=0.7", "--out", str(tmp_path))
+    streamed = "int4:sync_every=3,fragments=2,overlap_steps=1,lr=1e-3"
+    runs = ["int4:sync_every=3,outer_lr=0.7", streamed]
+    run_script("convergence.py", *args, "--diloco", *runs, "--out", str(tmp_path))
     rows, _ = read_results(tmp_path, stem("convergence-lm"))
-    assert [r["run"] for r in rows] == ["dense", "DiLoCo int4:sync_every=3,outer_lr=0.7"]
+    assert [r["run"] for r in rows] == ["dense", *(f"DiLoCo {run}" for run in runs)]
     net = importlib.import_module("lib.lm").GPT(
         **importlib.import_module("lib.convergence_lm").LM_MODEL, seed=0
     )
@@ -405,6 +407,10 @@ def test_convergence_lm_task_runs_diloco_and_counts_the_bytes_of_its_synchronisa
     int4 = gradcomp.collectives.scale.cost("int4", numel, 2).bytes_sent
     assert float(rows[1]["bytes_per_step"]) == pytest.approx(2 * int4 / 6, rel=1e-12)
     assert math.isfinite(float(rows[1]["validation_loss"]))
+    # Two fragments, each exchanged twice in six steps, then both once more at the end
+    # (synchronize(): the model every rank holds); a fragment's payload has its own padding.
+    assert float(rows[2]["bytes_per_step"]) == pytest.approx(3 * int4 / 6, rel=0.02)
+    assert math.isfinite(float(rows[2]["validation_loss"]))
 
 
 @pytest.mark.slow

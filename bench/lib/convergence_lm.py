@@ -106,7 +106,8 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
     return ":".join([name, ",".join(kept)]) if kept else name, sharded
 
 
-DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps")
+# lr: the inner AdamW's peak learning rate (default --lr, dense's).
+DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps", "lr")
 DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps")
 
 
@@ -188,7 +189,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         model = net
     else:
         model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
-    hyper = dict(lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+    outer_options = dict(run.get("diloco") or {})
+    hyper = dict(lr=outer_options.pop("lr", settings["lr"]), weight_decay=0.1, betas=(0.9, 0.95))
     if adam:  # the optimizer averages: no DDP
         options = dict(run["options"])
         algorithm = options.pop("algorithm", None)
@@ -207,7 +209,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
     outer = None
     if diloco:
-        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **run["diloco"], **run["options"])
+        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif one_bucket:
