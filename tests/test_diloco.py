@@ -157,6 +157,15 @@ def _resume(rank: int, world: int) -> None:
     other = gradcomp.DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), sync_every=4)
     with pytest.raises(ValueError, match="sync_every"):
         gradcomp.ddp.Checkpointable(other).load_state_dict(saved[2])
+    # A state of schema 1 (one fragment, no exchange in flight) still loads.
+    state = outer.state_dict()
+    old = {k: v for k, v in state.items() if k not in ("outer_steps", "in_flight")}
+    old.update(version=1, outer_step=outer.outer_step)
+    old["settings"] = {k: v for k, v in state["settings"].items() if k not in ("fragments", "overlap_steps")}
+    _, _, reloaded = fresh()
+    reloaded.load_state_dict(old)
+    assert reloaded.outer_steps == outer.outer_steps and reloaded.local_step == outer.local_step
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.anchor, outer.anchor, strict=True))
 
 
 @pytest.mark.slow
@@ -182,6 +191,19 @@ def test_fragments_take_turns_each_every_sync_every_steps():
     }
     outer.fragments = [[0, 1, 2, 3]]
     assert [step for step in range(1, 17) if outer._starts(step)] == [8, 16]
+
+
+@pytest.mark.parametrize(
+    "sizes, count, expected",
+    [
+        ([10, 10, 10, 10], 2, [[0, 1], [2, 3]]),
+        ([100, 1, 1, 1], 3, [[0], [1], [2, 3]]),  # one large parameter: a fragment of its own
+        ([1, 1, 1, 100], 3, [[0, 1], [2], [3]]),  # every fragment holds a parameter
+        ([1, 2, 3, 4, 5, 6, 7, 8], 4, [[0, 1, 2, 3], [4, 5], [6], [7]]),
+    ],
+)
+def test_fragments_are_consecutive_parameters_of_about_equal_size(sizes, count, expected):
+    assert gradcomp.diloco._split(sizes, count) == expected
 
 
 def _overlapped(rank: int, world: int) -> None:
