@@ -18,6 +18,8 @@ every rank at every step, the weights after :meth:`DiLoCo.synchronize`.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -329,16 +331,14 @@ def _is_int(value) -> bool:
 
 
 def _split(sizes: list[int], count: int) -> list[list[int]]:
-    """``count`` runs of consecutive indices of ``sizes``, none empty, each ending where
-    the running total first reaches its share of the whole."""
-    total, runs, current, running = sum(sizes), [], [], 0
-    for i, size in enumerate(sizes):
-        current.append(i)
-        running += size
-        left = len(sizes) - i - 1  # indices still to place
-        wanted = count - len(runs) - 1  # runs still to open after this one
-        if wanted and (running * count >= total * (len(runs) + 1) or left == wanted):
-            runs.append(current)
-            current = []
-    runs.append(current)
-    return runs
+    """``count`` runs of consecutive indices of ``sizes``, none empty, each cut where the
+    running total comes closest to its share of the whole."""
+    total, cumulative = sum(sizes), list(itertools.accumulate(sizes))
+    cuts, first = [], 0
+    for k in range(1, count):
+        last = len(sizes) - (count - k) - 1  # leaves an index for each run still to come
+        cut = min(range(first, last + 1), key=lambda j: (abs(cumulative[j] * count - total * k), j))
+        cuts.append(cut)
+        first = cut + 1
+    bounds = [-1, *cuts, len(sizes) - 1]
+    return [list(range(a + 1, b + 1)) for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -199,7 +199,7 @@ def test_fragments_take_turns_each_every_sync_every_steps():
         ([10, 10, 10, 10], 2, [[0, 1], [2, 3]]),
         ([100, 1, 1, 1], 3, [[0], [1], [2, 3]]),  # one large parameter: a fragment of its own
         ([1, 1, 1, 100], 3, [[0, 1], [2], [3]]),  # every fragment holds a parameter
-        ([1, 2, 3, 4, 5, 6, 7, 8], 4, [[0, 1, 2, 3], [4, 5], [6], [7]]),
+        ([1, 2, 3, 4, 5, 6, 7, 8], 4, [[0, 1, 2, 3], [4], [5, 6], [7]]),  # 10, 5, 13, 8 of 9 each
     ],
 )
 def test_fragments_are_consecutive_parameters_of_about_equal_size(sizes, count, expected):
