@@ -121,8 +121,8 @@ class Training:
                 self.net,
                 self.optimizer,
                 compressor=settings["compressor"],
-                outer_lr=1.0,
-                outer_momentum=0.0,
+                outer_lr=0.5,
+                outer_momentum=0.5,
                 **diloco,
             )
         self.done = 0
@@ -232,7 +232,8 @@ def describe(settings: dict, records: list[dict], world_size: int) -> str:
         f"{settings['heads']} heads, "
         f"context {settings['context']}, {records[0]['parameters']:,} parameters), batch "
         f"{settings['batch_size']} windows per rank, AdamW lr {settings['lr']:g}; {world_size} ranks; "
-        f"DiLoCo {settings['compressor']} every {settings['sync_every']} steps, outer lr 1 without momentum; "
+        f"DiLoCo {settings['compressor']} every {settings['sync_every']} steps, outer lr 0.5, "
+        "Nesterov momentum 0.5; "
         f"{settings['periods']} timed periods ({settings['ddp_steps']} DDP steps) after one, "
         f"{settings['rounds']} rounds in turn; step: mean of the slowest rank"
     )
