@@ -9,7 +9,7 @@ weights. Replicas are identical after every synchronisation: every rank decodes
 the same average and applies the same outer step.
 
 With ``fragments=F`` (Streaming DiLoCo) the parameters are F parts that
-synchronise in turn, one every ``sync_every / F`` steps, each still every
+synchronise in turn, one about every ``sync_every / F`` steps, each still every
 ``sync_every``; with ``overlap_steps=T`` a part's exchange runs on gradcomp's
 worker while training goes on, and its outer step lands T inner steps later,
 on top of what the rank learnt meanwhile. The anchors are then identical on
@@ -18,6 +18,7 @@ every rank at every step, the weights after :meth:`DiLoCo.synchronize`.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -39,15 +40,17 @@ class _Exchange:
         self.fragment, self.lands = fragment, lands
         self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, delta, work or None)
         self.snapshot: list[torch.Tensor] | None = None  # the weights it was taken from (overlapped)
+        self.stats: list[ReduceStats] = []  # of the parts waited for
+        self.bytes_sent = 0  # by this rank, the parts waited for (kept by a checkpoint)
 
-    def wait(self) -> list[ReduceStats]:
-        """Every part's statistics (none for a part restored from a checkpoint)."""
-        stats = []
+    def wait(self) -> None:
+        """Wait for every part still on its way; keep its statistics."""
         for n, (indices, delta, work) in enumerate(self.parts):
             if work is not None:
-                stats.append(work.get_future().wait())
+                stats = work.get_future().wait()
+                self.stats.append(stats)
+                self.bytes_sent += stats.bytes_sent
                 self.parts[n] = (indices, delta, None)
-        return stats
 
 
 class DiLoCo:
@@ -193,8 +196,9 @@ class DiLoCo:
     @torch.no_grad()
     def synchronize(self) -> ReduceStats | None:
         """Land every exchange in flight, then exchange every fragment at once and
-        land it: the weights are then identical on every rank (for the end of a run,
-        or before evaluating). Every rank calls it at the same step."""
+        land it: the weights are then identical on every rank. For the end of a run:
+        it is an outer step of every fragment (momentum and step counts move) outside
+        the schedule, which goes on as before. Every rank calls it at the same step."""
         stats = None
         for exchange in list(self.in_flight):
             stats = self._land(exchange)
@@ -229,11 +233,11 @@ class DiLoCo:
 
     def _land(self, exchange: _Exchange) -> ReduceStats | None:
         """Wait for the average, take the outer step on the anchor, load the weights."""
-        parts = exchange.wait()
-        stats = parts[-1] if parts else None
+        exchange.wait()
+        stats = exchange.stats[-1] if exchange.stats else None  # none restored from a checkpoint
         if stats is not None:
             self.last_stats = stats
-        self.bytes_sent += sum(part.bytes_sent for part in parts)
+        self.bytes_sent += exchange.bytes_sent
         first = self.outer_steps[exchange.fragment] == 0
         for indices, delta, _ in exchange.parts:
             offset = 0
@@ -265,11 +269,14 @@ class DiLoCo:
         self.anchor[i].add_(update, alpha=-self.outer_lr)
 
     def state_dict(self) -> dict:
-        """The anchor, the outer momentum, the residuals, the steps and the exchanges in
-        flight (waited for: their averages are kept, to land at their step): with the
-        model's and the inner optimizer's own, a run resumes bit for bit, mid-way and
-        mid-fragment too (``gradcomp.ddp.Checkpointable(outer)`` for
-        ``torch.distributed.checkpoint``)."""
+        """Everything a rank needs to resume bit for bit, mid-way and mid-fragment too:
+        the anchor, the outer momentum, the residuals, the steps, the exchanges in flight
+        (waited for: their averages are kept, to land at their step), and this rank's own
+        weights and inner optimizer state, which differ from the other ranks' between
+        synchronisations (``torch.distributed.checkpoint`` keeps one copy of a model's
+        plain tensors for all ranks). ``gradcomp.ddp.Checkpointable(outer)`` puts it under
+        this rank's key for ``torch.distributed.checkpoint``; load it after the model and
+        the optimizer."""
         for exchange in self.in_flight:
             exchange.wait()
         return {
@@ -277,28 +284,55 @@ class DiLoCo:
             "settings": self.settings(),
             "local_step": self.local_step,
             "outer_steps": list(self.outer_steps),
+            "bytes_sent": self.bytes_sent,
             "anchor": [t.clone() for t in self.anchor],
             "momentum": [t.clone() for t in self.momentum],
             "feedback": self.feedback.state_dict(),
+            "weights": [p.detach().clone() for p in self.params],
+            "inner": copy.deepcopy(self.inner.state_dict()),
             "in_flight": [
                 {
                     "fragment": e.fragment,
                     "lands": e.lands,
                     "deltas": [delta.clone() for _, delta, _ in e.parts],
                     "snapshot": None if e.snapshot is None else [t.clone() for t in e.snapshot],
+                    "bytes_sent": e.bytes_sent,
                 }
                 for e in self.in_flight
             ],
         }
 
+    @torch.no_grad()
+    def restart(self, saved: dict | None) -> None:
+        """Go on from a checkpoint of another world size (``Checkpointable(outer,
+        mismatch="drop")``): this rank's saved state where it has one, without its
+        residuals or exchanges in flight; then group rank 0's weights, anchor, momentum
+        and steps on every rank, so that the ranks agree again. Every rank calls it."""
+        for exchange in self.in_flight:
+            exchange.wait()
+        if saved is not None:
+            self.load_state_dict({**saved, "feedback": ErrorFeedback().state_dict(), "in_flight": []})
+        self.feedback, self.in_flight = ErrorFeedback(), []
+        device = self.params[0].device
+        counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for tensor in [*self.params, *self.anchor, *self.momentum, counters]:
+            dist.broadcast(tensor, src=source, group=self.group)
+        self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())
+
     def load_state_dict(self, saved: dict) -> None:
         version = saved.get("version")
         ours = self.settings()
-        if version == 1 and ours["fragments"] == 1 and not ours["overlap_steps"]:
-            saved = {**saved, "outer_steps": [saved["outer_step"]], "in_flight": []}
+        if version == 1:
+            if ours["fragments"] != 1 or ours["overlap_steps"]:
+                raise ValueError(
+                    "a DiLoCo state of schema 1 (one fragment, no overlap) loads only into one fragment "
+                    "without overlap"
+                )
+            saved = {**saved, "outer_steps": [saved["outer_step"]], "in_flight": [], "bytes_sent": 0}
             saved["settings"] = {**saved["settings"], "fragments": 1, "overlap_steps": 0}
         elif version != SCHEMA_VERSION:
-            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads {SCHEMA_VERSION}")
+            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads 1 and {SCHEMA_VERSION}")
         if saved["settings"] != ours:
             differ = sorted(k for k, v in ours.items() if saved["settings"].get(k) != v)
             raise ValueError(f"the checkpoint's DiLoCo settings differ in {differ}")
@@ -306,11 +340,17 @@ class DiLoCo:
             exchange.wait()
         self.local_step = int(saved["local_step"])
         self.outer_steps = [int(n) for n in saved["outer_steps"]]
+        self.bytes_sent = int(saved["bytes_sent"])
+        own = saved.get("weights", [])  # schema 1 held neither: the caller loaded them
         with torch.no_grad():
             for mine, theirs in zip(
-                [*self.anchor, *self.momentum], [*saved["anchor"], *saved["momentum"]], strict=True
+                [*self.anchor, *self.momentum, *(self.params if own else [])],
+                [*saved["anchor"], *saved["momentum"], *own],
+                strict=True,
             ):
                 mine.copy_(theirs)
+        if "inner" in saved:
+            self.inner.load_state_dict(saved["inner"])
         self.feedback.load_state_dict(saved["feedback"])
         self.in_flight = []
         device = self.params[0].device
@@ -323,6 +363,7 @@ class DiLoCo:
                 exchange.parts.append((typed, delta.to(device), None))
             if entry["snapshot"] is not None:
                 exchange.snapshot = [t.to(device) for t in entry["snapshot"]]
+            exchange.bytes_sent = int(entry["bytes_sent"])
             self.in_flight.append(exchange)
 
 

@@ -236,8 +236,9 @@ def _overlapped(rank: int, world: int) -> None:
             learnt = before[0] - snapshot
             weights = torch.cat([outer.params[i].detach().reshape(-1) for i in indices])
             torch.testing.assert_close(weights, now + learnt, rtol=0, atol=1e-6)
+            landed[0] += 1
 
-    before = [None]
+    before, landed = [None], [0]
     for step in range(12):
         x, y = _batch(step, rank)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -249,6 +250,7 @@ def _overlapped(rank: int, world: int) -> None:
             before[0] = torch.cat([outer.params[i].detach().reshape(-1).clone() for i in indices])
         outer.step()
         check(step)
+    assert landed[0] == 5  # fragment 0's at steps 4, 8, 12 and fragment 1's at 6, 10, each checked
     assert outer.outer_steps == [3, 2] and len(outer.in_flight) == 1  # fragment 1's of step 12 in flight
     assert not same_on_all_ranks(_flat(model))
     outer.synchronize()
@@ -281,13 +283,63 @@ def _resume_mid_fragment(rank: int, world: int) -> None:
     _train(again, again_inner, again_outer, range(5, 11), rank)
     assert torch.equal(_flat(again), _flat(model))
     assert again_outer.outer_steps == outer.outer_steps == [2, 2]
-    for mine, theirs in zip(again_outer.feedback.keys(), outer.feedback.keys(), strict=True):
-        assert torch.equal(again_outer.feedback.get(mine), outer.feedback.get(theirs))
+    # Nothing a checkpoint waits for is lost: the bytes of a run that took none.
+    straight, straight_inner, straight_outer = fresh()
+    _train(straight, straight_inner, straight_outer, range(11), rank)
+    assert torch.equal(_flat(straight), _flat(model))
+    assert again_outer.bytes_sent == outer.bytes_sent == straight_outer.bytes_sent > 0
+    # Fragment 0's exchange of step 10 is still on its way: state_dict() waits for it.
+    mine, theirs = (o.state_dict()["feedback"]["residuals"] for o in (again_outer, outer))
+    assert mine.keys() == theirs.keys() and len(mine) == 2
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)
 
 
 @pytest.mark.slow
 def test_resume_continues_bit_for_bit_mid_fragment():
     run_ranks(_resume_mid_fragment, 2)
+
+
+def _distributed_checkpoint(rank: int, world: int, directory: str) -> None:
+    """torch.distributed.checkpoint keeps one copy of the model's and the optimizer's
+    plain tensors for all ranks; Checkpointable(outer) holds each rank's own: a resume
+    mid-fragment is bit for bit on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    def fresh():
+        model = _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"fragments": 2, "overlap_steps": 1}
+        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=4, compressor="int4", **options)
+
+    def everything(model, outer, **options):
+        # The model's entry is one copy for all ranks; the DiLoCo state, loaded after it,
+        # brings back each rank's own weights and inner optimizer state.
+        return {"model": model.state_dict(), "diloco": gradcomp.ddp.Checkpointable(outer, **options)}
+
+    model, inner, outer = fresh()
+    _train(model, inner, outer, range(6), rank)  # fragment 0's exchange of step 6 lands at 7
+    assert not same_on_all_ranks(_flat(model)) and [e.fragment for e in outer.in_flight] == [0]
+    dcp.save(everything(model, outer), checkpoint_id=directory)
+    _train(model, inner, outer, range(6, 11), rank)
+    again, again_inner, again_outer = fresh()
+    dcp.load(everything(again, again_outer), checkpoint_id=directory)
+    _train(again, again_inner, again_outer, range(6, 11), rank)
+    assert torch.equal(_flat(again), _flat(model)), "weights"
+    assert again_outer.bytes_sent == outer.bytes_sent, (again_outer.bytes_sent, outer.bytes_sent)
+
+    # Another world size, by choice: the shared state from rank 0, no residuals, the ranks agreeing.
+    blob = gradcomp.ddp.Checkpointable(outer).state_dict()[f"rank{rank}"]
+    other = {"world_size": world + 1, **({f"rank{rank}": blob} if rank == 0 else {})}
+    _, _, dropped = fresh()
+    gradcomp.ddp.Checkpointable(dropped, mismatch="drop").load_state_dict(other)
+    assert not dropped.in_flight and len(dropped.feedback) == 0 and dropped.outer_steps == outer.outer_steps
+    assert same_on_all_ranks(torch.cat([a.reshape(-1) for a in dropped.anchor]))
+    assert same_on_all_ranks(_flat(dropped.model)) and dropped.local_step == outer.local_step
+
+
+@pytest.mark.slow
+def test_distributed_checkpoint_resumes_every_rank_bit_for_bit(tmp_path):
+    run_ranks(_distributed_checkpoint, 2, str(tmp_path))
 
 
 def _disagree(rank: int, world: int) -> None:

@@ -197,7 +197,10 @@ class Checkpointable:
             if self.mismatch == "raise":
                 raise ValueError(message + "; resume on as many ranks, or pass mismatch='drop'")
             logger.warning("gradcomp: %s; the residuals start afresh (mismatch='drop')", message)
-            if mine is not None and "step" in mine:
+            restart = getattr(self.state, "restart", None)  # DiLoCo: its shared state, the ranks agreeing
+            if restart is not None:
+                restart(mine)
+            elif mine is not None and "step" in mine:
                 self.state.step = int(mine["step"])
             return
         self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
