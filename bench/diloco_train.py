@@ -41,19 +41,17 @@ import time
 import torch
 import torch.distributed as dist
 from lib import lm, spawning
-from lib.cluster import add_cluster_options, add_link_check_option, described_cluster, measure_levels
+from lib.cluster import add_cluster_options, add_link_check_option, measure_levels
 from lib.ddp_report import describe_levels
-from lib.machine import machine
 from lib.options import add_common_options
 from lib.plots import figure
-from lib.results import Results, publish, ratio
+from lib.results import publish, ratio
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
 from gradcomp.collectives import ring_all_reduce_bytes
-from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
-from gradcomp.units import argument, parse_rate, parse_size
+from gradcomp.units import parse_rate
 
 COMPUTE, DDP = "compute only", "DDP fp32"
 TARGET = 1.1  # the streamed run's step time, at most this times compute only's
@@ -70,18 +68,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--periods", type=int, default=2, help="timed periods of sync-every steps (default 2)")
     top.add_argument("--ddp-steps", type=int, default=4, help="DDP's timed steps (default 4)")
     top.add_argument("--rounds", type=int, default=2, help="rounds of every run, pooled (default 2)")
-    top.add_argument("--width", type=int, default=256, help="GPT width (default 256)")
-    top.add_argument("--layers", type=int, default=4, help="GPT blocks (default 4)")
-    top.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    top.add_argument("--context", type=int, default=128, help="bytes a window (default 128)")
-    top.add_argument("--batch-size", type=int, default=4, help="windows per rank and step (default 4)")
-    top.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    top.add_argument(
-        "--corpus-bytes",
-        type=argument(parse_size),
-        default=parse_size("4M"),
-        help="bytes of the standard library's sources to train on (default 4M)",
-    )
+    lm.add_gpt_options(top, width=256, layers=4, heads=4)
     add_link_check_option(top, "16MiB")
     add_common_options(top, spawn_default=4)
     add_cluster_options(top)
@@ -261,20 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.overlap_steps < args.sync_every:
         parser().error("--overlap-steps must be in [0, --sync-every)")
     settings = vars(args)
-    facts = machine(args.spawn, "gloo")
-    suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if args.nodes else None
-    results = Results("diloco_train", facts, settings, args.out, suffix=suffix)
-    print(f"machine: {results.machine['machine']}", flush=True)
-    try:
-        with described_cluster(args, facts):
-            outcome = spawning.spawn(ranks, args.spawn, settings, timeout=3600)
-    except RanksFailed as error:
-        sys.stderr.write(f"diloco_train failed: {error}\n")
+    results, outcome = spawning.spawn_on_cluster("diloco_train", ranks, args, settings)
+    if outcome is None:
         return 1
     records = pool(outcome["rounds"])
     print(describe(settings, records, args.spawn))
     if outcome["link_check"]:
-        print(f"cluster: {facts['link']}")
+        print(f"cluster: {results.machine['link']}")
         print(describe_levels(outcome["link_check"], parse_rate(args.inter_bandwidth)))
     print(format_report(records))
     line = verdict(records)

@@ -55,22 +55,19 @@ from lib.cluster import (
     NODE_INTERFACE,
     add_cluster_options,
     add_link_check_option,
-    described_cluster,
     measure_levels,
 )
 from lib.ddp_report import describe_levels
-from lib.machine import machine
 from lib.options import add_common_options
 from lib.plots import figure
 from lib.progress import Progress
-from lib.results import Results, publish, ratio
+from lib.results import publish, ratio
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradcomp
-from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
-from gradcomp.units import argument, parse_rate, parse_size
+from gradcomp.units import parse_rate
 
 # (label, compressor, layout, register's options): layout "hsdp" shards in a node and
 # all-reduces between nodes, "flat" shards over every rank, None is the compute-only run.
@@ -100,18 +97,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--steps", type=int, default=20, help="training steps per run and round (default 20)")
     top.add_argument("--warmup-steps", type=int, default=3, help="first steps left untimed (default 3)")
     top.add_argument("--rounds", type=int, default=2, help="rounds of every run, pooled (default 2)")
-    top.add_argument("--width", type=int, default=384, help="GPT width (default 384)")
-    top.add_argument("--layers", type=int, default=6, help="GPT blocks, each an FSDP unit (default 6)")
-    top.add_argument("--heads", type=int, default=6, help="attention heads (default 6)")
-    top.add_argument("--context", type=int, default=128, help="bytes a window (default 128)")
-    top.add_argument("--batch-size", type=int, default=4, help="windows per rank and step (default 4)")
-    top.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    top.add_argument(
-        "--corpus-bytes",
-        type=argument(parse_size),
-        default=parse_size("4M"),
-        help="bytes of the standard library's sources to train on (default 4M)",
-    )
+    lm.add_gpt_options(top, width=384, layers=6, heads=6, layer_help=", each an FSDP unit")
     add_link_check_option(top, "16MiB")
     add_common_options(top, spawn_default=4)
     add_cluster_options(top)
@@ -373,21 +359,14 @@ def main(argv: list[str] | None = None) -> int:
             "need an even --spawn >= 2, --warmup-steps >= 1, --steps > --warmup-steps, --rounds >= 1"
         )
     settings = vars(args)
-    facts = machine(args.spawn, "gloo")
-    suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if args.nodes else None
-    results = Results("fsdp_train", facts, settings, args.out, suffix=suffix)
-    print(f"machine: {results.machine['machine']}", flush=True)
-    try:
-        with described_cluster(args, facts):
-            outcome = spawning.spawn(ranks, args.spawn, settings, timeout=3600)
-    except RanksFailed as error:
-        sys.stderr.write(f"fsdp_train failed: {error}\n")
+    results, outcome = spawning.spawn_on_cluster("fsdp_train", ranks, args, settings)
+    if outcome is None:
         return 1
     records = pool(outcome["rounds"])
     verdicts = derive(records)
     print(describe(settings, records))
     if outcome["link_check"]:
-        print(f"cluster: {facts['link']}")
+        print(f"cluster: {results.machine['link']}")
         print(describe_levels(outcome["link_check"], parse_rate(args.inter_bandwidth)))
     print(format_report(records))
     print("\n".join(verdicts))

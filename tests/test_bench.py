@@ -29,6 +29,8 @@ specs = importlib.import_module("lib.specs")
 MACHINE_COLUMNS = {"machine", "cpus", "cpu_model", "gpu", "torch", "world_size", "backend", "link"}
 LOAD_COLUMNS = {"load_start", "load_end"}
 TINY_MODEL = ["--features", "32", "--width", "64", "--steps", "3", "--warmup-steps", "2"]
+# The GPT of the scripts that time its training steps (fsdp_train.py, diloco_train.py), tiny.
+TINY_GPT = ["--layers", "1", "--width", "64", "--heads", "2", "--context", "32", "--corpus-bytes", "256K"]
 
 
 def run_script(

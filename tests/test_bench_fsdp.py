@@ -7,11 +7,9 @@ import importlib
 import math
 
 import pytest
-from test_bench import read_results, run_script, stem
+from test_bench import TINY_GPT, read_results, run_script, stem
 
 fsdp_train = importlib.import_module("fsdp_train")  # bench/ is on sys.path through test_bench
-
-TINY_GPT = ["--layers", "1", "--width", "64", "--heads", "2", "--context", "32", "--corpus-bytes", "256K"]
 
 
 @pytest.mark.slow

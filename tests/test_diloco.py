@@ -4,6 +4,7 @@ when there is nothing local about it, error feedback conserved, resume bit for b
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -32,6 +33,27 @@ def _train(model, inner, outer, steps, rank, after=None) -> None:
         outer.step()
         if after is not None:
             after(step)
+
+
+def _fresh(sync_every: int, **options):
+    """A model, its AdamW and an int4 DiLoCo over them: what a resumed run starts from."""
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, inner, gradcomp.DiLoCo(model, inner, sync_every=sync_every, compressor="int4", **options)
+
+
+def _resumed(fresh, model, inner, outer, steps, rank):
+    """``steps`` more of the run, and of another started by ``fresh()`` from its state
+    (saved per rank, as torch.distributed.checkpoint would under Checkpointable)."""
+    saved = [copy.deepcopy(state.state_dict()) for state in (model, inner)]
+    saved.append(gradcomp.ddp.Checkpointable(outer).state_dict())
+    _train(model, inner, outer, steps, rank)
+    again, again_inner, again_outer = fresh()
+    again.load_state_dict(saved[0])
+    again_inner.load_state_dict(saved[1])
+    gradcomp.ddp.Checkpointable(again_outer).load_state_dict(saved[2])
+    _train(again, again_inner, again_outer, steps, rank)
+    return again, again_outer, saved[2]
 
 
 def _flat(model) -> torch.Tensor:
@@ -138,25 +160,14 @@ def test_error_feedback_is_conserved_across_synchronisations():
 
 
 def _resume(rank: int, world: int) -> None:
-    def fresh():
-        model = _net()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=3, compressor="int4")
-
+    fresh = functools.partial(_fresh, 3)
     model, inner, outer = fresh()
     _train(model, inner, outer, range(4), rank)  # one synchronisation, then one step into the next
-    saved = [copy.deepcopy(state.state_dict()) for state in (model, inner)]
-    saved.append(gradcomp.ddp.Checkpointable(outer).state_dict())  # as torch.distributed.checkpoint would
-    _train(model, inner, outer, range(4, 8), rank)
-    again, again_inner, again_outer = fresh()
-    again.load_state_dict(saved[0])
-    again_inner.load_state_dict(saved[1])
-    gradcomp.ddp.Checkpointable(again_outer).load_state_dict(saved[2])
-    _train(again, again_inner, again_outer, range(4, 8), rank)
+    again, again_outer, saved = _resumed(fresh, model, inner, outer, range(4, 8), rank)
     assert torch.equal(_flat(again), _flat(model)) and again_outer.outer_step == outer.outer_step == 2
     other = gradcomp.DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), sync_every=4)
     with pytest.raises(ValueError, match="sync_every"):
-        gradcomp.ddp.Checkpointable(other).load_state_dict(saved[2])
+        gradcomp.ddp.Checkpointable(other).load_state_dict(saved)
     # A state of schema 1 (one fragment, no exchange in flight) still loads.
     state = outer.state_dict()
     old = {k: v for k, v in state.items() if k not in ("outer_steps", "in_flight")}
@@ -264,23 +275,11 @@ def test_overlapped_fragments_land_late_on_what_each_rank_learnt(world):
 
 
 def _resume_mid_fragment(rank: int, world: int) -> None:
-    def fresh():
-        model = _net()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"fragments": 2, "overlap_steps": 2}
-        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=4, compressor="int4", **options)
-
+    fresh = functools.partial(_fresh, 4, fragments=2, overlap_steps=2)
     model, inner, outer = fresh()
     _train(model, inner, outer, range(5), rank)  # fragment 1's exchange of step 4 lands at 6
     assert [e.fragment for e in outer.in_flight] == [1]
-    saved = [copy.deepcopy(state.state_dict()) for state in (model, inner)]
-    saved.append(gradcomp.ddp.Checkpointable(outer).state_dict())
-    _train(model, inner, outer, range(5, 11), rank)
-    again, again_inner, again_outer = fresh()
-    again.load_state_dict(saved[0])
-    again_inner.load_state_dict(saved[1])
-    gradcomp.ddp.Checkpointable(again_outer).load_state_dict(saved[2])
-    _train(again, again_inner, again_outer, range(5, 11), rank)
+    again, again_outer, _ = _resumed(fresh, model, inner, outer, range(5, 11), rank)
     assert torch.equal(_flat(again), _flat(model))
     assert again_outer.outer_steps == outer.outer_steps == [2, 2]
     # Nothing a checkpoint waits for is lost: the bytes of a run that took none.
@@ -305,11 +304,7 @@ def _distributed_checkpoint(rank: int, world: int, directory: str) -> None:
     mid-fragment is bit for bit on every rank."""
     import torch.distributed.checkpoint as dcp
 
-    def fresh():
-        model = _net()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"fragments": 2, "overlap_steps": 1}
-        return model, inner, gradcomp.DiLoCo(model, inner, sync_every=4, compressor="int4", **options)
+    fresh = functools.partial(_fresh, 4, fragments=2, overlap_steps=1)
 
     def everything(model, outer, **options):
         # The model's entry is one copy for all ranks; the DiLoCo state, loaded after it,

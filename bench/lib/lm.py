@@ -13,6 +13,7 @@ fixed windows.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sysconfig
@@ -20,6 +21,28 @@ import sysconfig
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gradcomp.units import argument, parse_size
+
+
+def add_gpt_options(
+    parser: argparse.ArgumentParser, width: int, layers: int, heads: int, layer_help: str = ""
+) -> None:
+    """The GPT, its batches and AdamW's lr as options, for the bench scripts that time training steps."""
+    parser.add_argument("--width", type=int, default=width, help=f"GPT width (default {width})")
+    parser.add_argument(
+        "--layers", type=int, default=layers, help=f"GPT blocks{layer_help} (default {layers})"
+    )
+    parser.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
+    parser.add_argument("--context", type=int, default=128, help="bytes a window (default 128)")
+    parser.add_argument("--batch-size", type=int, default=4, help="windows per rank and step (default 4)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument(
+        "--corpus-bytes",
+        type=argument(parse_size),
+        default=parse_size("4M"),
+        help="bytes of the standard library's sources to train on (default 4M)",
+    )
 
 
 def load_corpus(corpus_bytes: int) -> tuple[torch.Tensor, torch.Tensor, dict]:

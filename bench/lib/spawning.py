@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.spawn import RanksFailed, run_ranks
-from lib import cluster, progress
+from lib import cluster, machine, progress, results
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -122,3 +122,18 @@ def init_torchrun(timeout: float = 600.0) -> tuple[str, torch.device]:
         torch.set_num_threads(threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return backend, device
+
+
+def spawn_on_cluster(name: str, body: Callable, args, settings: dict):
+    """``body`` on ``args.spawn`` spawned Gloo ranks, in the cluster ``--nodes`` emulates
+    (if it does): ``(results, outcome)``, the outcome None (the failure written) if a rank failed."""
+    facts = machine.machine(args.spawn, "gloo")
+    suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if args.nodes else None
+    found = results.Results(name, facts, settings, args.out, suffix=suffix)
+    print(f"machine: {found.machine['machine']}", flush=True)
+    try:
+        with cluster.described_cluster(args, facts):
+            return found, spawn(body, args.spawn, settings, timeout=3600)
+    except RanksFailed as error:
+        sys.stderr.write(f"{name} failed: {error}\n")
+        return found, None
