@@ -136,6 +136,13 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--steps", type=int, default=600, help="lm: optimizer steps (default 600)")
     top.add_argument(
+        "--init-steps",
+        type=int,
+        default=0,
+        help="lm: every run starts from the weights of N dense DDP steps (their own schedule and "
+        "data order), as DiLoCo starts from a pretrained model (default 0: from scratch)",
+    )
+    top.add_argument(
         "--fsdp",
         action="store_true",
         help="lm: shard the model with FSDP2 and compress through gradcomp.fsdp: each compressor "
@@ -366,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args.compressors = split_list(list(default) if args.compressors is None else args.compressors)
     if args.adam is not None and args.task != "lm":
         parser().error("--adam is for --task lm")
+    if args.init_steps and args.task != "lm":
+        parser().error("--init-steps is for --task lm")
     if args.adam is None:
         args.adam = list(LM_ADAM) if args.task == "lm" else []
     args.adam = split_list(args.adam)

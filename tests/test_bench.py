@@ -416,6 +416,26 @@ def test_convergence_lm_task_runs_diloco_and_counts_the_bytes_of_its_synchronisa
 
 
 @pytest.mark.slow
+def test_convergence_lm_task_starts_every_run_from_the_same_dense_steps(tmp_path):
+    args = ["--task", "lm", "--steps", "2", "--corpus-bytes", "40000", "--compressors", "--baselines"]
+    args += ["--adam", "--init-steps", "3", "--diloco", "int4:sync_every=2", "--out", str(tmp_path)]
+    run_script("convergence.py", *args)
+    rows, document = read_results(tmp_path, stem("convergence-lm"))
+    start = document["start"]
+    assert start["steps"] == 3 and [step for step, _ in start["curve"]] == [0, 3]
+    # Every run's first evaluation is the start's last: the weights it saved, loaded.
+    assert [curve[0] for curve in document["curves"].values()] == [[0, start["validation_loss"]]] * 2
+    # Three dense steps at lr 2e-3 moved the weights: not the untrained model's loss.
+    assert start["validation_loss"] < start["curve"][0][1] - 0.1
+    assert [r["run"] for r in rows] == ["dense", "DiLoCo int4:sync_every=2"]
+
+
+def test_init_steps_are_for_the_lm_task():
+    result = run_script("convergence.py", "--init-steps", "3", check=False)
+    assert result.returncode == 2 and "--init-steps is for --task lm" in result.stderr
+
+
+@pytest.mark.slow
 def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
     args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
     adam = [

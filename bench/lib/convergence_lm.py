@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -178,6 +180,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     """Train one --task lm run on every rank; rank 0's record."""
     train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"])
     net = lm.GPT(**LM_MODEL, seed=settings["seed"])
+    if settings.get("init"):  # --init-steps: the dense start every run shares
+        net.load_state_dict(torch.load(settings["init"], weights_only=True))
     one_bucket = run["kind"] == "powersgd_hook"
     adam = run["kind"] == "adam"
     diloco = run["kind"] == "diloco"
@@ -223,7 +227,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         )
     warmup = max(1, steps // 20)
     scheduler = lm.schedule(optimizer, steps, warmup)
-    order = torch.Generator().manual_seed(settings["seed"])
+    # The start's steps draw their windows in an order of their own.
+    order = torch.Generator().manual_seed(settings["seed"] + settings.get("order_offset", 0))
     context, batch = LM_MODEL["context"], LM_BATCH
 
     def evaluate() -> float:
@@ -246,6 +251,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
                 outer.synchronize()  # every fragment, landed: the model every rank holds
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
+    if settings.get("save"):  # --init-steps' dense start, for the runs to share
+        if rank == 0:
+            torch.save(net.state_dict(), settings["save"])
     shapes = [tuple(p.shape) for p in net.parameters()]
     numel = sum(p.numel() for p in net.parameters())
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
@@ -383,12 +391,15 @@ def lm_describe(settings: dict, corpus: dict, parameters: int) -> str:
         settings["dense_steps"]
     )
     model = LM_MODEL
+    start = f", every run from the weights of {settings['init_steps']} dense steps" * bool(
+        settings.get("init_steps")
+    )
     return (
         f"byte-level GPT ({model['layers']} layers, width {model['width']}, {model['heads']} heads, "
         f"context {model['context']}, {parameters:,} parameters), {corpus['bytes']:,} bytes of the Python "
         f"standard library ({corpus['validation_bytes']:,} held out), {settings['steps']} steps of "
         f"{LM_BATCH} windows, AdamW lr {settings['lr']} (warm-up {max(1, settings['steps'] // 20)} steps, "
-        f"cosine to a tenth) weight decay 0.1, seed {settings['seed']}{dense}"
+        f"cosine to a tenth) weight decay 0.1, seed {settings['seed']}{dense}{start}"
     )
 
 
@@ -411,9 +422,15 @@ def main_lm(args: argparse.Namespace, fail) -> int:
     results = Results(name, machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
     _, _, corpus = lm.load_corpus(args.corpus_bytes)
-    progress = Progress(len(runs), args.progress)
-    records = []
-    for done, run in enumerate(runs):
+    if args.init_steps < 0 or args.init_steps and args.fsdp:
+        fail("need --init-steps >= 0, and none with --fsdp")
+    progress = Progress(len(runs) + bool(args.init_steps), args.progress)
+    records, start = [], None
+    if args.init_steps:
+        progress.update(0, f"start: {args.init_steps} dense steps")
+        start = initial_weights(args, settings)
+        settings["init"] = start["path"]
+    for done, run in enumerate(runs, start=bool(args.init_steps)):
         progress.update(done, run["label"])
         # A second a step a rank, never less than ten minutes.
         timeout = max(600.0, args.steps * args.spawn)
@@ -438,8 +455,32 @@ def main_lm(args: argparse.Namespace, fail) -> int:
     parameters = next((r["parameters"] for r in records if "parameters" in r), 0)
     print(lm_describe(settings, corpus, parameters))
     print(lm_report(records))
-    publish_curves(results, records, lm_plot, extra=dict(corpus=corpus, model=LM_MODEL))
+    extra = dict(corpus=corpus, model=LM_MODEL)
+    if start is not None:
+        os.unlink(settings.pop("init"))
+        extra["start"] = dict(
+            steps=args.init_steps, validation_loss=start["validation_loss"], curve=start["curve"]
+        )
+    publish_curves(results, records, lm_plot, extra=extra)
     return 0
+
+
+# --init-steps' dense start draws its windows from a generator seeded this far
+# from --seed, so that the runs after it see other windows.
+START_ORDER_OFFSET = 1_000_003
+
+
+def initial_weights(args: argparse.Namespace, settings: dict) -> dict:
+    """--init-steps: train dense DDP for that many steps (a schedule of its own, windows
+    in an order of their own) and save its weights for every run to start from; its
+    validation loss and curve, and the path."""
+    handle, path = tempfile.mkstemp(prefix="gradcomp-lm-start-", suffix=".pt")
+    os.close(handle)
+    start = dict(settings, steps=args.init_steps, save=path, order_offset=START_ORDER_OFFSET)
+    run = dict(label="start", kind="dense", name=None, options={})
+    timeout = max(600.0, args.init_steps * args.spawn)
+    record = spawning.spawn(lm_rank, args.spawn, run, start, timeout=timeout)
+    return dict(path=path, validation_loss=record["validation_loss"], curve=record["curve"])
 
 
 def lm_rank(rank: int, world_size: int, run: dict, settings: dict) -> dict:
