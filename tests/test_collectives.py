@@ -13,6 +13,7 @@ from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm, scale
+from gradcomp.collectives.worker import IN_FLIGHT
 from gradcomp.compressors import Context
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -312,9 +313,21 @@ def _worker_overlaps_in_order(rank: int, world_size: int) -> None:
     assert [future.wait() for future in futures] == ["A", "B", "C"]
     for future in noted:
         future.wait()
-    # Each paused job finishes after the next one started; futures complete in order.
-    assert events == ["A start", "B start", "A finish", "C", "B finish"]
+    # Paused jobs stay in flight while more are queued; a job that does not pause runs,
+    # then they finish before its future completes: futures complete in order.
+    assert events == ["A start", "B start", "C", "A finish", "B finish"]
     assert completed == ["A", "B", "C"]
+    # At most IN_FLIGHT paused at once: the oldest finishes before one more starts.
+    events.clear()
+    gate.clear()
+    submit(lambda: gate.wait(30))
+    many = [submit(_paused_job(str(i), events)) for i in range(IN_FLIGHT + 2)]
+    gate.set()
+    assert [future.wait() for future in many] == [str(i) for i in range(IN_FLIGHT + 2)]
+    starts = [f"{i} start" for i in range(IN_FLIGHT + 2)]
+    assert events[: IN_FLIGHT + 1] == starts[:IN_FLIGHT] + ["0 finish"]
+    assert events.index(f"{IN_FLIGHT} start") == IN_FLIGHT + 1
+    assert [e for e in events if e.endswith("finish")] == [f"{i} finish" for i in range(IN_FLIGHT + 2)]
     # With nothing queued behind it, a paused job finishes at once.
     assert submit(_paused_job("D", events)).wait() == "D"
     # A job writing into the same storage (or not saying where it writes)

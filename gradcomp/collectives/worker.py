@@ -10,16 +10,20 @@ ranks. The clone keeps these collectives apart from whatever the caller's
 thread issues on the group meanwhile.
 
 Overlap. A job may pause once its last collective is issued (it yields, see
-:func:`gradcomp.collectives.dispatch.job_steps`): if the next job is
-already queued and writes into other storage, the worker starts it
-(compressing it overlaps the transfer) and then finishes the paused one.
-Collectives are still issued, and futures completed, in submission order; a
-job with nothing queued behind it finishes at once.
+:func:`gradcomp.collectives.dispatch.job_steps`): while more jobs are queued
+and write into other storage, the worker starts them (compressing one
+overlaps the transfers of those before it), up to :data:`IN_FLIGHT` paused
+at once, and finishes the paused ones, oldest first, when nothing is queued,
+when the limit is reached, or before a job that writes where they write or
+runs to its end without pausing. Collectives are still issued, and futures
+completed, in submission order; a job with nothing queued behind it
+finishes at once.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -37,6 +41,11 @@ from gradcomp import streams
 from gradcomp.collectives.stats import profiled
 
 logger = logging.getLogger(__name__)
+
+# The most jobs paused at once, their exchanges in flight (each holds its gathered
+# payloads until it finishes). On Gloo a collective's latency is several times a
+# small bucket's codec time: one job in flight left the worker waiting on it.
+IN_FLIGHT = 4
 
 
 class CollectiveQueue:
@@ -126,27 +135,25 @@ class CollectiveQueue:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # this thread's only: no job records a graph
-        paused = None  # a started job waiting on its exchange
+        paused: collections.deque[_Started] = collections.deque()  # started, their exchanges in flight
         while True:
-            if paused is not None and self._jobs.empty():
-                self._finish(paused)  # nothing to overlap it with
-                paused = None
+            if paused and (len(paused) >= IN_FLIGHT or self._jobs.empty()):
+                self._finish(paused.popleft())  # nothing to overlap it with, or enough in flight
+                continue
             job = self._jobs.get()
             if job is None:
-                if paused is not None:
-                    self._finish(paused)
+                while paused:
+                    self._finish(paused.popleft())
                 return
-            if paused is not None and _may_share(paused.writes, job.writes):
-                self._finish(paused)  # the next job reads what this one writes
-                paused = None
+            while paused and any(_may_share(earlier.writes, job.writes) for earlier in paused):
+                self._finish(paused.popleft())  # the next job reads what one of these writes
             self._start(job)
-            if paused is not None:
-                self._finish(paused)
             if job.steps is None:
-                self._finish(job)  # after the one before: futures complete in order
-                paused = None
+                while paused:  # futures complete in order
+                    self._finish(paused.popleft())
+                self._finish(job)
             else:
-                paused = job
+                paused.append(job)
 
     def _earlier_failure(self) -> RuntimeError:
         return RuntimeError(
