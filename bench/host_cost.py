@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import functools
 import math
 import os
 import pstats
@@ -79,7 +80,9 @@ from lib.results import Results, publish, ratio
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+from gradcomp import ops
 from gradcomp.collectives import queue_for
+from gradcomp.ops import cpu_backend
 from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
 
@@ -96,6 +99,9 @@ WAITS = (
     "<built-in method time.sleep>",
 )
 THREADS = ("main", "worker")
+# CPU time read per timed step: the process's, the training thread's, the worker's and
+# the worker's in the codec ops (CodecClock).
+CPU_CLOCKS = ("process", "main", "worker", "codec")
 # The profile's clock: the profiled thread's CPU time (what the host spends; a thread
 # waiting or preempted by the other rank's costs nothing) or wall time (where it waits).
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -167,7 +173,7 @@ class Configuration:
         generator = torch.Generator().manual_seed(1000 + rank)
         self.inputs = torch.randn(1, settings["bucket_numel"], generator=generator)
         self.rounds: list[list[float]] = []  # each round's step seconds
-        self.cpu = dict.fromkeys(("process", "main", "worker"), 0.0)  # CPU seconds, timed steps
+        self.cpu = dict.fromkeys(CPU_CLOCKS, 0.0)  # CPU seconds, timed steps
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -175,17 +181,44 @@ class Configuration:
         self.optimizer.step()
 
 
+class CodecClock:
+    """The worker thread's CPU time inside the CPU backend's ops (the codecs' kernels: on a
+    GPU, launches): each op of the ``cpu`` backend registered again, timed on ``worker``.
+    The rest of the worker's CPU time is gradcomp's own path (jobs, payloads, statistics)."""
+
+    def __init__(self, worker: threading.Thread):
+        self.worker, self.seconds = worker, 0.0
+        timed = {name: self._timed(function) for name, function in ops.functions("cpu").items()}
+        ops.register_backend("cpu", cpu_backend.is_available, timed)
+
+    def _timed(self, function):
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            if threading.current_thread() is not self.worker:
+                return function(*args, **kwargs)
+            began = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - began
+
+        return run
+
+
 class Clocks:
-    """CPU clocks of this process, its training thread and gradcomp's worker thread."""
+    """CPU clocks of this process, its training thread, gradcomp's worker thread and the
+    worker's codec ops."""
 
     def __init__(self, worker: threading.Thread):
         self.worker = time.pthread_getcpuclockid(worker.ident)
+        self.codec = CodecClock(worker)
 
     def read(self) -> dict:
         return {
             "process": time.process_time(),
             "main": time.thread_time(),
             "worker": time.clock_gettime(self.worker),
+            "codec": self.codec.seconds,
         }
 
 
@@ -260,9 +293,9 @@ def record(config: Configuration, settings: dict, world_size: int) -> dict:
     seconds = [s for round_ in config.rounds for s in round_]
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    cpu = torch.tensor([config.cpu[key] for key in ("process", "main", "worker")], dtype=torch.float64)
+    cpu = torch.tensor([config.cpu[key] for key in CPU_CLOCKS], dtype=torch.float64)
     dist.all_reduce(cpu)
-    process, main, worker = (cpu / world_size / len(seconds)).tolist()  # per step, mean over ranks
+    process, main, worker, codec = (cpu / world_size / len(seconds)).tolist()  # per step, mean over ranks
     steps = settings["steps"]
     per_round = [slowest[i : i + steps].tolist() for i in range(0, len(seconds), steps)]
     how = ""
@@ -281,6 +314,8 @@ def record(config: Configuration, settings: dict, world_size: int) -> dict:
         cpu_ms=1e3 * process,
         main_cpu_ms=1e3 * main,
         worker_cpu_ms=1e3 * worker,
+        codec_cpu_ms=1e3 * codec,
+        path_cpu_ms=1e3 * (worker - codec),
         other_cpu_ms=1e3 * (process - main - worker),
     )
 
@@ -385,7 +420,7 @@ def derive(records: list[dict], profile: dict | None) -> None:
         r["extra_cpu_us_per_bucket"] = 1e3 * (r["cpu_ms"] - ddp["cpu_ms"]) / buckets
         r["goal_us_per_bucket"] = GOAL_US
         r["within_goal"] = r["config"] == "ddp" or r["extra_us_per_bucket"] <= GOAL_US
-        for key in ("main", "worker", "other"):
+        for key in ("main", "worker", "codec", "path", "other"):
             r[f"{key}_cpu_us_per_bucket"] = 1e3 * r[f"{key}_cpu_ms"] / buckets
         mine = (profile or {}).get(r["config"])
         r["hook_us_per_call"] = mine["hook_us_per_call"] if mine else math.nan
@@ -397,7 +432,7 @@ def derive(records: list[dict], profile: dict | None) -> None:
 
 def format_report(records: list[dict]) -> str:
     header = ["run", "step ms", "x DDP", "us/bucket", "extra us/bucket", "goal", "CPU ms/step"]
-    header += ["extra CPU us/bucket", "main", "worker", "other"]
+    header += ["extra CPU us/bucket", "main", "worker", "codec ops", "the rest", "other"]
     rows = []
     for r in records:
         baseline = r["config"] == "ddp"
@@ -413,10 +448,12 @@ def format_report(records: list[dict]) -> str:
                 "-" if baseline else f"{r['extra_cpu_us_per_bucket']:+.0f}",
                 f"{r['main_cpu_us_per_bucket']:.0f}",
                 f"{r['worker_cpu_us_per_bucket']:.0f}",
+                f"{r['codec_cpu_us_per_bucket']:.0f}",
+                f"{r['path_cpu_us_per_bucket']:.0f}",
                 f"{r['other_cpu_us_per_bucket']:.0f}",
             ]
         )
-    groups = [("", 6), ("CPU time", 2), ("CPU us/bucket by thread", 3)]
+    groups = [("", 6), ("CPU time", 2), ("CPU us/bucket by thread", 2), ("of the worker's", 2), ("", 1)]
     return format_table(header, rows, groups)
 
 

@@ -59,6 +59,12 @@ def test_host_cost_smoke(tmp_path, capsys):
     assert by_config["ddp"]["x_ddp"] == 1.0
     # The worker thread runs gradcomp's jobs: next to nothing while DDP reduces on its own.
     assert by_config["ddp"]["worker_cpu_ms"] < 0.1 * by_config["int8"]["worker_cpu_ms"]
+    # Of the worker's time, the codec ops' (timed inside the CPU backend) and the rest.
+    assert by_config["ddp"]["codec_cpu_ms"] == 0
+    for name in ("int8", "topk"):
+        record = by_config[name]
+        assert 0 < record["codec_cpu_ms"] < record["worker_cpu_ms"]
+        assert record["path_cpu_ms"] == pytest.approx(record["worker_cpu_ms"] - record["codec_cpu_ms"])
     if not host_cost.can_profile_threads():
         assert document["profile"] is None and "profile: skipped" in out
         return
