@@ -306,6 +306,27 @@ def test_dequantize_sum_adds_rows_in_order_bit_exactly(on, case, divisor):
     assert_same(expected, actual)
 
 
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_cpu_dequantize_sum_decodes_chunks_of_every_row_in_order(case, monkeypatch):
+    """The CPU backend decodes a chunk of every row at once: with chunks of a few blocks
+    (the last one short, and signed zeros in the rows), the reference's bits."""
+    monkeypatch.setattr(gradcomp.ops.cpu_backend, "CHUNK_ELEMENTS", 1500)
+    cpu = On("cpu")
+    bits, levels, block, numel = case
+    numel = 3 * numel + 5
+    rows = _rows(cpu, 3, numel, bits, block)
+    whole = -(-numel // block) * block
+    for r in range(3):
+        x = cpu.randn(numel, seed=r)
+        x[r::7] = -0.0
+        REFERENCE.quantize_rows(x, bits, block, whole, rows[r : r + 1], levels=levels)
+    expected, actual = (
+        backend.dequantize_sum(rows, bits, block, numel, cpu.zeros(numel), levels=levels, divisor=3)
+        for backend in (REFERENCE, cpu.ops)
+    )
+    assert_same(expected, actual)
+
+
 @pytest.mark.parametrize("block, numel", [(1024, 5000), (64, 1), (256, 1023)])
 def test_sign_rows_match_the_reference(on, block, numel):
     on.need("sign_compress_rows")

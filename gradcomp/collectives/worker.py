@@ -145,8 +145,10 @@ class CollectiveQueue:
                 while paused:
                     self._finish(paused.popleft())
                 return
-            while paused and any(_may_share(earlier.writes, job.writes) for earlier in paused):
+            storage = _storage(job.writes)
+            while paused and _may_share(storage, [earlier.storage for earlier in paused]):
                 self._finish(paused.popleft())  # the next job reads what one of these writes
+            job.storage = storage
             self._start(job)
             if job.steps is None:
                 while paused:  # futures complete in order
@@ -230,15 +232,20 @@ class _Started:
     name: str = "gradcomp.job"
     number: int = 0  # in submission order, from 1
     steps: Generator | None = None
+    storage: int | None = None  # of writes, once started (_storage)
     result: object = None
     error: BaseException | None = None
 
 
-def _may_share(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether two jobs' outputs may overlap (unknown counts as yes)."""
-    if a is None or b is None:
-        return True
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _storage(writes: torch.Tensor | None) -> int | None:
+    """The address of the storage a job writes into (None: not said)."""
+    return None if writes is None else writes.untyped_storage().data_ptr()
+
+
+def _may_share(storage: int | None, paused: list[int | None]) -> bool:
+    """Whether a job writing into ``storage`` may write where a paused one does (unknown
+    counts as yes)."""
+    return storage is None or storage in paused or None in paused
 
 
 def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -175,20 +175,35 @@ def quantize_blockwise(
     packed = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
     scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
     generator = reference.generator(seed, x.device) if stochastic else None
+    flat_residual = None if residual is None else residual.view(-1)
     for start, end in chunks(numel, block):
-        part_residual = None if residual is None else residual.view(-1)[start:end]
+        part_residual = _part(flat_residual, start, end, numel)
         _quantize_part(
-            compensate(x[start:end], part_residual),
+            _compensate_in_residual(_part(x, start, end, numel), part_residual),
             part_residual,
             bits,
             block,
             levels,
             scale,
             generator,
-            packed[start * bits // 8 : math.ceil(end * bits / 8)],
-            scales[start // block : math.ceil(end / block)],
+            _part(packed, start * bits // 8, math.ceil(end * bits / 8), packed.numel()),
+            _part(scales, start // block, math.ceil(end / block), scales.numel()),
         )
     return packed, scales
+
+
+def _part(flat: torch.Tensor | None, start: int, end: int, numel: int) -> torch.Tensor | None:
+    """``flat[start:end]``; ``flat`` itself where that is all of it (a slice costs more
+    than a small tensor's kernels)."""
+    if flat is None or (start == 0 and end == numel):
+        return flat
+    return flat[start:end]
+
+
+# 2**128 - 2**103, halfway between the largest float and 2**128: a float32 product
+# whose exact value (computed exactly in float64) lies below it rounds to a finite
+# float32, and one at or above it (or NaN) does not.
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def _quantize_part(
@@ -218,13 +233,14 @@ def _quantize_part(
     # level * scale cannot round past it: every element is finite, and so are
     # the levels, the decoded values and the error (a level never has the
     # opposite sign of its element), so two nan_to_num passes go. (amax
-    # propagates NaN.)
-    finite = _known(torch.isfinite(scales.amax() * (2 * levels)))
+    # propagates NaN.) Whether ``scales.amax() * (2 * levels)`` is finite in
+    # float32, read from its exact value: one kernel fewer than computing it.
+    finite = float(scales.amax()) * (2 * levels) < _FLOAT32_OVERFLOW
     if not finite:
         _keep_top_level_finite(scales, levels)
     # All-zero blocks keep scale 0 and codes of level 0; inf/NaN blocks keep a
     # non-finite scale so that they decode to non-finite values.
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(1)
     level = blocks / divisor
     if generator is not None:
         level += torch.rand(level.shape, generator=generator, device=y.device)
@@ -298,10 +314,11 @@ def _scale_out(level: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, acc
 CHUNK_ELEMENTS = 2**17
 
 
-def chunks(numel: int, block: int) -> list[tuple[int, int]]:
-    """Element ranges covering ``numel``: whole blocks, whole bytes of codes."""
+def chunks(numel: int, block: int, elements: int | None = None) -> list[tuple[int, int]]:
+    """Element ranges covering ``numel``, about ``elements`` each (default
+    :data:`CHUNK_ELEMENTS`): whole blocks, whole bytes of codes."""
     unit = math.lcm(block, 8)
-    step = max(1, CHUNK_ELEMENTS // unit) * unit
+    step = max(1, (CHUNK_ELEMENTS if elements is None else elements) // unit) * unit
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
@@ -401,8 +418,39 @@ def _decode_sum(rows, block: int, bits: int, out: torch.Tensor, divisor: int, de
 
 def dequantize_sum(rows, bits, block, numel, out, *, levels=None, divisor=1):
     """:func:`gradcomp.ops.reference.dequantize_sum`, decoded by this backend."""
-    _decode_sum(rows, block, bits, out.view(-1)[:numel], divisor, _dequantizer(bits, block, levels))
+    flat = _part(out.view(-1), 0, numel, out.numel())
+    if flat.dtype == torch.float32:
+        _dequantize_rows_sum(rows, bits, block, levels, flat, divisor)
+    else:
+        _decode_sum(rows, block, bits, flat, divisor, _dequantizer(bits, block, levels))
     return out
+
+
+def _dequantize_rows_sum(rows, bits: int, block: int, levels: int, out: torch.Tensor, divisor: int) -> None:
+    """:func:`dequantize_sum` into an fp32 ``out``: every row's chunk decoded at once
+    (a chunk of all of them stays in L2), then added in row order."""
+    numel, count = out.numel(), rows.shape[0]
+    blocks = math.ceil(numel / block)
+    scales = rows[:, : 4 * blocks].view(torch.float32)
+    codes = rows[:, 4 * blocks : 4 * blocks + math.ceil(numel * bits / 8)]
+    out.zero_()
+    for start, end in chunks(numel, block, max(1, CHUNK_ELEMENTS // count)):
+        part = codes[:, start * bits // 8 : math.ceil(end * bits / 8)]
+        if bits != 8:
+            part = unpack_bits(part.reshape(-1), bits, part.numel() * (8 // bits)).view(count, -1)
+        # The signed levels, made in bytes (the uint8 subtraction wraps into int8).
+        level = torch.sub(part, levels).view(torch.int8).to(torch.float32)
+        size, whole = end - start, math.ceil((end - start) / block)
+        if level.shape[1] != whole * block:  # the last block's padding, or codes past the end
+            level = torch.nn.functional.pad(level[:, :size], (0, whole * block - size))
+        first = start // block
+        decoded = level.view(count, whole, block).mul_(scales[:, first : first + whole].unsqueeze(2))
+        decoded = decoded.view(count, -1)
+        target = _part(out, start, end, numel)
+        for row in range(count):
+            target += _part(decoded[row], 0, size, whole * block)
+    if divisor != 1:
+        out.div_(divisor)
 
 
 def sign_compress_rows(x, block, chunk, rows, residual=None):
