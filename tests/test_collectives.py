@@ -364,8 +364,8 @@ def test_worker_overlaps_a_paused_job_with_the_next_in_order():
 
 
 def _overlapped_jobs_match_one_at_a_time(rank: int, world_size: int) -> None:
-    # Top-K (allgather) jobs, which pause, between int8 (two_phase) and
-    # random-K (dense) jobs, which do not, submitted back to back.
+    # Top-K (allgather) and random-K (dense) jobs, which pause, between int8
+    # (two_phase) jobs, which do not, submitted back to back.
     compressors = [
         gradcomp.get_compressor("topk", ratio=0.05),
         gradcomp.get_compressor("int8"),

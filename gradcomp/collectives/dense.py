@@ -4,6 +4,8 @@ decoded; and a job on one rank, which only compresses and decodes."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.distributed as dist
 
@@ -27,8 +29,9 @@ def _divides_values(compressor: Compressor, sum_dtype: torch.dtype) -> bool:
     return compressor.sparse and sum_dtype in (torch.float32, torch.float64)
 
 
-def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
-    """All-reduce the payload's tensors themselves (they add up), then decode into ``flat``."""
+def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
+    """All-reduce the payload's tensors themselves (they add up), then decode into
+    ``flat``; the job pauses while they are in flight."""
     # Where the mean is not taken when decoding, it is taken before the
     # reduction: the tensor in place (the result overwrites it anyway) and
     # the residual there and back, which stays in the input's units.
@@ -43,9 +46,14 @@ def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) 
     payload = compress_measured(job, flat, residual, q.rank, stats)
     if residual is not None and first > 1:
         residual.mul_(first)
+    works = []
     for wire in payload.tensors.values():
         with exchange():
-            dist.all_reduce(wire, group=q.group)
+            works.append(dist.all_reduce(wire, group=q.group, async_op=True))
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
+    yield  # every collective of this job is issued: the next job may start
+    for work in works:
+        with exchange():
+            work.wait()
     with Timer(stats):
         job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)

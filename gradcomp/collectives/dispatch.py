@@ -52,13 +52,13 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     elif q.world_size == 1:
         local(job, flat, stats)
     elif job.algorithm == "dense":
-        dense(job, flat, q, stats)
+        yield from dense(job, flat, q, stats)
     elif job.algorithm == "allgather":
         yield from allgather(job, flat, q, stats)
     elif job.compressor.sparse:
         sparse.sparse_two_phase(job, flat, q, stats)
     else:
-        two_phase(job, flat, q, stats)
+        yield from two_phase(job, flat, q, stats)
     if work is not tensor:
         tensor.copy_(work)
     return stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
+from collections.abc import Generator
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def owner_ranges(
     return ranges
 
 
-def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> None:
+def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
     """Reduce-scatter of compressed chunks, decode, recompress, all-gather.
 
     Each segment (:func:`two_phase_segments`) is cut into ``world_size``
@@ -88,8 +89,9 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
     it decodes and adds in rank order, recompresses with its owner's residual
     and all-gathers; every rank then decodes the gathered rows into place.
     Collectives are issued asynchronously, so that one segment's exchange
-    overlaps the next one's compression. Blocks never straddle a chunk: the
-    decoded values do not depend on the segments.
+    overlaps the next one's compression; the job pauses while the all-gathers
+    are in flight. Blocks never straddle a chunk: the decoded values do not
+    depend on the segments.
     """
     compressor, world, rank = job.compressor, q.world_size, q.rank
     align = getattr(compressor, "block", 1)
@@ -150,6 +152,7 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
         with exchange():
             gathers.append((all_gather_async(gathered.view(-1), own.view(-1), q.group), gathered, own))
         stats.bytes_sent += width * (world - 1)
+    yield  # every collective of this job is issued: the next job may start
     # Phase 3: every rank's chunk decoded into place.
     for seg, (gather, gathered, _) in zip(segments, gathers, strict=True):
         with exchange():
