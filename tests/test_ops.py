@@ -16,7 +16,7 @@ import torch
 from utils import DTYPES, EPS32, REFERENCE, assert_conserved, assert_unbiased, block_view, seeded_randn
 
 from gradcomp import ops, streams
-from gradcomp.ops import cpu_backend, index_cache, reference
+from gradcomp.ops import cpu_backend, cpu_packing, index_cache, reference
 
 CPU = torch.device("cpu")
 
@@ -52,13 +52,13 @@ def test_pack_bits_word_path_is_the_position_path(bits, offset, stride):
         0, 2**bits, (4099 + offset + 4096 * stride,), generator=generator, dtype=torch.uint8
     )
     codes = storage[offset : offset + 4096 * stride : stride]
-    expected = cpu_backend._pack_positions(codes.clone(), bits)
-    assert torch.equal(cpu_backend._pack_words(codes, bits), expected)
+    expected = cpu_packing._pack_positions(codes.clone(), bits)
+    assert torch.equal(cpu_packing._pack_words(codes, bits), expected)
     assert torch.equal(ops.pack_bits(codes, bits), expected)
     assert torch.equal(
-        cpu_backend._unpack_words(expected, bits), cpu_backend._unpack_positions(expected, bits)
+        cpu_packing._unpack_words(expected, bits), cpu_packing._unpack_positions(expected, bits)
     )
-    assert torch.equal(cpu_backend._unpack_words(expected, bits), codes)
+    assert torch.equal(cpu_packing._unpack_words(expected, bits), codes)
 
 
 @pytest.mark.parametrize(
@@ -778,6 +778,9 @@ def _call_every_op(x: torch.Tensor) -> None:
 def test_forced_unavailable_backend_raises(monkeypatch, backend):
     # On CPU tensors Triton runs only in its interpreter, and no CUDA backend
     # runs on CPU at all: forcing either without that must raise, not fall back.
+    # The kernels are defined first, interpreted (conftest): defined without the
+    # interpreter, they would need a GPU driver in every later test of this process.
+    ops.functions("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("GRADCOMP_BACKEND", backend)
     x = seeded_randn(100, seed=81)
