@@ -56,6 +56,10 @@ class _Exchange:
 class DiLoCo:
     """The outer loop of DiLoCo over ``model``'s trained parameters.
 
+    Start it from a model trained synchronously for a while (DDP, or gradcomp's
+    hook), as DiLoCo's paper does: from scratch, local steps cost more of the loss
+    (bench/reports/diloco-cpu2-2026-12-04.md).
+
     Args:
         model: the module each rank trains (no DDP: each rank trains on its own
             between synchronisations). Rank 0's parameters and buffers are
