@@ -453,7 +453,7 @@ def format_report(records: list[dict]) -> str:
                 f"{r['other_cpu_us_per_bucket']:.0f}",
             ]
         )
-    groups = [("", 6), ("CPU time", 2), ("CPU us/bucket by thread", 2), ("of the worker's", 2), ("", 1)]
+    groups = [("", 6), ("CPU time", 2), ("by thread", 2), ("of the worker's", 2), ("", 1)]
     return format_table(header, rows, groups)
 
 
