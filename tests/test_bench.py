@@ -64,6 +64,14 @@ def stem(benchmark: str, world_size: int = 2) -> str:
     return f"{benchmark}-{machine.machine_kind()}-w{world_size}"
 
 
+def run_smoke(script: str, args: list[str], out, target: str) -> tuple[list[dict], dict]:
+    """Run bench ``script`` on 2 ranks writing into ``out``: it prints ``target`` as a
+    target line; its results."""
+    result = run_script(script, *args, "--out", str(out))
+    assert f"target: {target}" in result.stdout
+    return read_results(out, stem(script.removesuffix(".py")))
+
+
 # ----------------------------------------------------------------------------- helpers
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from test_bench import TINY_GPT, read_results, run_script, stem
+from test_bench import TINY_GPT, run_smoke
 
 diloco_train = importlib.import_module("diloco_train")  # bench/ is on sys.path through test_bench
 
@@ -14,9 +14,8 @@ diloco_train = importlib.import_module("diloco_train")  # bench/ is on sys.path 
 @pytest.mark.slow
 def test_diloco_train_smoke(tmp_path):
     args = [*TINY_GPT, "--spawn", "2", "--sync-every", "4", "--periods", "1", "--ddp-steps", "2"]
-    result = run_script("diloco_train.py", *args, "--out", str(tmp_path))
-    assert "target: DiLoCo int4, H=4, 4 fragments, overlap 2 within 1.1x of compute only" in result.stdout
-    rows, document = read_results(tmp_path, stem("diloco_train"))
+    target = "DiLoCo int4, H=4, 4 fragments, overlap 2 within 1.1x of compute only"
+    rows, document = run_smoke("diloco_train.py", args, tmp_path, target)
     labels = [label for label, _ in diloco_train.runs(document["settings"])]
     assert [r["run"] for r in rows] == labels
     compute, ddp, blocking, streamed = document["records"]

@@ -7,7 +7,7 @@ import importlib
 import math
 
 import pytest
-from test_bench import TINY_GPT, read_results, run_script, stem
+from test_bench import TINY_GPT, run_smoke
 
 fsdp_train = importlib.import_module("fsdp_train")  # bench/ is on sys.path through test_bench
 
@@ -15,9 +15,8 @@ fsdp_train = importlib.import_module("fsdp_train")  # bench/ is on sys.path thro
 @pytest.mark.slow
 def test_fsdp_train_smoke(tmp_path):
     args = [*TINY_GPT, "--spawn", "2", "--steps", "3", "--warmup-steps", "1", "--rounds", "2"]
-    result = run_script("fsdp_train.py", *args, "--out", str(tmp_path))
-    assert "target: HSDP int8 bytes between nodes >= 3.9x fewer than HSDP fp32" in result.stdout
-    rows, document = read_results(tmp_path, stem("fsdp_train"))
+    target = "HSDP int8 bytes between nodes >= 3.9x fewer than HSDP fp32"
+    rows, document = run_smoke("fsdp_train.py", args, tmp_path, target)
     assert [r["run"] for r in rows] == [run[0] for run in fsdp_train.RUNS]
     by_run = {r["run"]: r for r in document["records"]}
     assert by_run["compute only"]["inter_bytes"] == 0 and by_run["compute only"]["comm_ms"] == 0
