@@ -22,11 +22,12 @@ torch.set_num_threads(1)
 @pytest.fixture
 def misjudge_threshold(monkeypatch):
     """``misjudge_threshold(change)``: Top-K's sampled threshold ``t`` comes out as ``change(t)``."""
-    from gradcomp.ops import reference
+    from gradcomp.ops import reference_sparse
 
-    original = reference.threshold_from_sample
+    original = reference_sparse.threshold_from_sample
 
     def misjudge(change) -> None:
-        monkeypatch.setattr(reference, "threshold_from_sample", lambda *args: change(original(*args)))
+        patched = lambda *args: change(original(*args))  # noqa: E731
+        monkeypatch.setattr(reference_sparse, "threshold_from_sample", patched)
 
     return misjudge

@@ -512,6 +512,8 @@ def test_topk_misjudged_threshold_matches_the_reference(on, misjudge_threshold, 
     expected = REFERENCE.topk_select(x, 200, expected_residual, seed=4)
     actual = on.ops.topk_select(x, 200, actual_residual, seed=4)
     assert actual[0].numel() == 200
+    if misjudged == "above everything":  # the misjudged threshold took effect: nothing reaches it
+        assert not expected[0].any() and not expected[1].any()
     assert_same(expected[1], actual[1])
     assert_same(expected[0], actual[0])
     assert_same(expected_residual, actual_residual)
