@@ -325,6 +325,9 @@ def test_cpu_dequantize_sum_decodes_chunks_of_every_row_in_order(case, monkeypat
         for backend in (REFERENCE, cpu.ops)
     )
     assert_same(expected, actual)
+    # No rows at all: the sum of nothing.
+    nothing = cpu.ops.dequantize_sum(rows[:0], bits, block, numel, cpu.zeros(numel) + 1, levels=levels)
+    assert not nothing.any()
 
 
 @pytest.mark.parametrize("block, numel", [(1024, 5000), (64, 1), (256, 1023)])

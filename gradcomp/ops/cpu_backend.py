@@ -353,6 +353,8 @@ def _dequantize_rows_sum(rows, bits: int, block: int, levels: int, out: torch.Te
     scales = rows[:, : 4 * blocks].view(torch.float32)
     codes = rows[:, 4 * blocks : 4 * blocks + math.ceil(numel * bits / 8)]
     out.zero_()
+    if count == 0:  # the sum of no payloads
+        return
     for start, end in chunks(numel, block, max(1, CHUNK_ELEMENTS // count)):
         part = codes[:, start * bits // 8 : math.ceil(end * bits / 8)]
         if bits != 8:
