@@ -52,6 +52,8 @@ def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) 
             works.append(dist.all_reduce(wire, group=q.group, async_op=True))
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
     yield  # every collective of this job is issued: the next job may start
+    # What the synchronous call does right after issuing (torch/distributed/distributed_c10d.py,
+    # all_reduce: ``work.wait()`` unless async_op): on NCCL the current stream waits for it.
     for work in works:
         with exchange():
             work.wait()
