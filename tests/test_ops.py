@@ -16,7 +16,7 @@ import torch
 from utils import DTYPES, EPS32, REFERENCE, assert_conserved, assert_unbiased, block_view, seeded_randn
 
 from gradcomp import ops, streams
-from gradcomp.ops import cpu_backend, cpu_packing, index_cache, reference
+from gradcomp.ops import cpu_backend, cpu_packing, cpu_shared, cpu_sparse, index_cache, reference
 
 CPU = torch.device("cpu")
 
@@ -413,7 +413,7 @@ def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel
     x[numel // 2] = -math.inf
     residual = (seeded_randn(numel, seed=7) * 0.01).to(residual_dtype)
     whole = _blockwise_round_trip(op, x, residual.clone(), bits, block)
-    monkeypatch.setattr(cpu_backend, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
+    monkeypatch.setattr(cpu_shared, "CHUNK_ELEMENTS", 1)  # one unit: lcm(block, 8) elements
     assert len(cpu_backend.chunks(numel, block)) > 10
     chunked = _blockwise_round_trip(op, x, residual.clone(), bits, block)
     leaves = torch.utils._pytree.tree_leaves
@@ -437,7 +437,7 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
         return values, indices, kept
 
     whole = select()
-    monkeypatch.setattr(cpu_backend, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_shared, "CHUNK_ELEMENTS", 1)
     assert len(cpu_backend.chunks(numel, 1)) > 1000
     for got, expected in zip(select(), whole, strict=True):
         assert torch.equal(got.isnan(), expected.isnan())
@@ -587,10 +587,10 @@ def test_topk_bit_pattern_compare_is_the_magnitude_compare(threshold, pending):
         add = seeded_randn(y.numel(), seed=72, dtype=torch.float16)
         base = y.clone()
         expected = torch.nonzero(reference.selection_magnitude(y + add.float()) >= bound).view(-1)
-        got = cpu_backend._reaching(base, bound, add)
+        got = cpu_sparse._reaching(base, bound, add)
         assert torch.equal(base.isnan(), (y + add.float()).isnan())
     else:
-        got = cpu_backend._reaching(y.clone(), bound)
+        got = cpu_sparse._reaching(y.clone(), bound)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
 
@@ -649,7 +649,7 @@ def test_randk_indices_numpy_walk_is_the_torch_walk(numel, k, seed):
     """The CPU backend walks the cycles in numpy (uint32 halves), the reference in
     torch (int64 with masks): the same permutation, so the same indices."""
     half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
-    walked = cpu_backend._walk_numpy(numel, k, half_bits, keys)
+    walked = cpu_sparse._walk_numpy(numel, k, half_bits, keys)
     assert walked.dtype == torch.int64
     assert torch.equal(walked, REFERENCE.randk_indices(numel, k, seed))
 
@@ -694,16 +694,16 @@ def test_randk_select_values_are_scaled_picks(scale):
 
 def test_randk_indices_recent_ones_are_reused_as_copies(monkeypatch):
     monkeypatch.setattr(index_cache, "_recent", {})  # what this test caches stays here
-    first = cpu_backend.randk_indices(100_000, 1000, seed=77)
+    first = cpu_sparse.randk_indices(100_000, 1000, seed=77)
     first[:] = 0  # a caller scribbling on its copy
     calls = []
-    walk = cpu_backend._walk_numpy
-    monkeypatch.setattr(cpu_backend, "_walk_numpy", lambda *a: calls.append(a) or walk(*a))
-    again = cpu_backend.randk_indices(100_000, 1000, seed=77)
+    walk = cpu_sparse._walk_numpy
+    monkeypatch.setattr(cpu_sparse, "_walk_numpy", lambda *a: calls.append(a) or walk(*a))
+    again = cpu_sparse.randk_indices(100_000, 1000, seed=77)
     assert not calls, "recomputed"
     assert torch.unique(again).numel() == 1000 and again.max() < 100_000
     assert torch.equal(again, again.sort().values)
-    cpu_backend.randk_indices(100_000, 1000, seed=78)  # another seed is computed
+    cpu_sparse.randk_indices(100_000, 1000, seed=78)  # another seed is computed
     assert calls
 
 

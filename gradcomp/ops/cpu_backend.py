@@ -3,75 +3,38 @@
 The same bits as the reference (tested against it), computed in ways that
 pay on a CPU and would not elsewhere:
 
-* long tensors are worked through a chunk at a time (:func:`chunks`), so
-  that a chunk's temporaries stay in a core's L2 and are reused;
+* long tensors are worked through a chunk at a time
+  (:func:`gradcomp.ops.cpu_shared.chunks`), so that a chunk's temporaries
+  stay in a core's L2 and are reused;
+* small ones go through numpy (:mod:`gradcomp.ops.cpu_small`), where an
+  operation costs a fraction of a torch op's dispatch;
 * compare-and-pack and bit tricks run in numpy, where torch's ops into
   bool tensors or one strided op per position cost several times as much;
 * a residual of fp32 becomes ``x + residual`` in place, and passes that
   only clean non-finite values are skipped when every value is known
-  finite (on a CPU, reading a flag costs nothing);
-* random-K's cycle walk runs in numpy, on the few entries still out of
-  range.
+  finite (on a CPU, reading a flag costs nothing).
+
+The sparse ops (Top-K, random-K) are in :mod:`gradcomp.ops.cpu_sparse`, bit
+packing in :mod:`gradcomp.ops.cpu_packing`; :data:`FUNCTIONS` lists them all.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 
-from gradcomp.ops import index_cache, reference
+from gradcomp.ops import cpu_shared, cpu_small, reference
 from gradcomp.ops.cpu_packing import pack_bits, unpack_bits
+from gradcomp.ops.cpu_shared import chunks, compensate_in_residual, known, sliced, store_residual
+from gradcomp.ops.cpu_sparse import randk_indices, randk_select, topk_select
 from gradcomp.ops.reference import blocks_of, compensate, write_out
 
 
 def is_available(device: torch.device) -> bool:
     """CPU tensors only."""
     return torch.device(device).type == "cpu"
-
-
-def _compensate_in_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """:func:`compensate`, computed in an fp32 ``residual`` itself (returned flat).
-
-    For ops that rewrite the whole residual afterwards: it saves a
-    tensor-sized temporary and a copy.
-    """
-    if residual is None or residual.dtype != torch.float32:
-        return compensate(x, residual)
-    flat = residual.view(-1)
-    flat += x.reshape(-1)
-    return flat
-
-
-def store_residual(
-    residual: torch.Tensor | None,
-    y: torch.Tensor,
-    decoded: torch.Tensor,
-    scratch: torch.Tensor | None = None,
-    finite: bool = False,
-) -> None:
-    """``residual <- y - decoded``, non-finite entries zeroed (a pass skipped
-    when the caller knows the difference ``finite``).
-
-    Written straight into an fp32 residual; any other residual dtype gets the
-    fp32 error through ``scratch`` (default ``y``), which is overwritten.
-    """
-    if residual is None:
-        return
-    flat = residual.view(-1)
-    target = flat if flat.dtype == torch.float32 else (y if scratch is None else scratch)
-    torch.sub(y, decoded, out=target)
-    if not finite:
-        target.nan_to_num_(0.0, 0.0, 0.0)
-    if target is not flat:
-        flat.copy_(target)
-
-
-def _known(flag: torch.Tensor) -> bool:
-    """A 0-d bool tensor's value (on a CPU, reading it costs nothing)."""
-    return bool(flag)
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -93,30 +56,28 @@ def quantize_blockwise(
     numel = x.numel()
     packed = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
     scales = torch.empty(math.ceil(numel / block), dtype=torch.float32, device=x.device)
+    _quantize_into(x, bits, block, stochastic, seed, residual, levels, scale, packed, scales)
+    return packed, scales
+
+
+def _quantize_into(x, bits, block, stochastic, seed, residual, levels, scale, packed, scales) -> None:
+    """:func:`quantize_blockwise` of the flat ``x`` into ``packed`` and ``scales``."""
+    numel = x.numel()
     generator = reference.generator(seed, x.device) if stochastic else None
     flat_residual = None if residual is None else residual.view(-1)
     for start, end in chunks(numel, block):
-        part_residual = _part(flat_residual, start, end, numel)
+        part_residual = sliced(flat_residual, start, end, numel)
         _quantize_part(
-            _compensate_in_residual(_part(x, start, end, numel), part_residual),
+            compensate_in_residual(sliced(x, start, end, numel), part_residual),
             part_residual,
             bits,
             block,
             levels,
             scale,
             generator,
-            _part(packed, start * bits // 8, math.ceil(end * bits / 8), packed.numel()),
-            _part(scales, start // block, math.ceil(end / block), scales.numel()),
+            sliced(packed, start * bits // 8, math.ceil(end * bits / 8), packed.numel()),
+            sliced(scales, start // block, math.ceil(end / block), scales.numel()),
         )
-    return packed, scales
-
-
-def _part(flat: torch.Tensor | None, start: int, end: int, numel: int) -> torch.Tensor | None:
-    """``flat[start:end]``; ``flat`` itself where that is all of it (a slice costs more
-    than a small tensor's kernels)."""
-    if flat is None or (start == 0 and end == numel):
-        return flat
-    return flat[start:end]
 
 
 # 2**128 - 2**103, halfway between the largest float and 2**128: a float32 product
@@ -137,6 +98,9 @@ def _quantize_part(
     scales: torch.Tensor,
 ) -> None:
     """:func:`quantize_blockwise` of the compensated ``y`` into ``packed`` and ``scales``."""
+    small = generator is None and scale == "absmax"
+    if small and cpu_small.quantize(y, residual, bits, block, levels, _FLOAT32_OVERFLOW, packed, scales):
+        return
     numel = y.numel()
     blocks = blocks_of(y, block)
     if scale == "absmax":
@@ -224,23 +188,6 @@ def _scale_out(level: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, acc
     write_out(level.mul_(column).view(-1)[:numel], out, accumulate)
 
 
-# Long tensors are worked through a chunk at a time: the temporaries of one
-# chunk (512 KB each at 2**17 fp32 elements) stay in a core's L2 between the
-# passes over them and are reused by the allocator, where tensor-sized ones
-# cost a page fault per page (bench/README.md has the measurement). Blocks
-# never straddle chunks, so the results are those of one pass over the
-# whole tensor.
-CHUNK_ELEMENTS = 2**17
-
-
-def chunks(numel: int, block: int, elements: int | None = None) -> list[tuple[int, int]]:
-    """Element ranges covering ``numel``, about ``elements`` each (default
-    :data:`CHUNK_ELEMENTS`): whole blocks, whole bytes of codes."""
-    unit = math.lcm(block, 8)
-    step = max(1, (CHUNK_ELEMENTS if elements is None else elements) // unit) * unit
-    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
-
-
 # ----------------------------------------------------------------------------- 1-bit sign
 
 
@@ -268,7 +215,7 @@ def sign_compress(
             signs = positive.view(torch.uint8).to(torch.float32).mul_(2).sub_(1)
             decoded = signs.mul_(part_scales.unsqueeze(1)).view(-1)[:part]
             # As in quantization: finite scales, finite error (same signs).
-            finite = _known(torch.isfinite(part_scales).all())
+            finite = known(torch.isfinite(part_scales).all())
             store_residual(part_residual, blocks.view(-1)[:part], decoded, scratch=decoded, finite=finite)
     return packed, scales
 
@@ -303,9 +250,20 @@ def sign_decompress(
 def quantize_rows(
     x, bits, block, chunk, rows, stochastic=False, seed=0, residual=None, *, levels=None, scale="absmax"
 ):
-    """:func:`gradcomp.ops.reference.quantize_rows`, encoded by this backend."""
+    """:func:`gradcomp.ops.reference.quantize_rows`, encoded by this backend; one
+    payload (the collectives' one-row lane) straight into its row."""
+    x = x.reshape(-1)
+    numel = x.numel()
+    if rows.shape[0] == 1 and 0 < numel <= chunk and rows.data_ptr() % 4 == 0:
+        row = rows[0]
+        scale_bytes, code_bytes = 4 * math.ceil(numel / block), math.ceil(numel * bits / 8)
+        end = scale_bytes + code_bytes
+        scales, packed = row[:scale_bytes].view(torch.float32), row[scale_bytes:end]
+        _quantize_into(x, bits, block, stochastic, seed, residual, levels, scale, packed, scales)
+        row[end : math.ceil(end / reference.ALIGN) * reference.ALIGN].zero_()  # as write_rows pads
+        return rows
     codes, scales = quantize_blockwise(x, bits, block, stochastic, seed, residual, levels=levels, scale=scale)
-    return reference.write_rows(rows, codes, scales, x.numel(), block, bits, chunk)
+    return reference.write_rows(rows, codes, scales, numel, block, bits, chunk)
 
 
 def _dequantizer(bits: int, block: int, levels: int):
@@ -337,7 +295,7 @@ def _decode_sum(rows, block: int, bits: int, out: torch.Tensor, divisor: int, de
 
 def dequantize_sum(rows, bits, block, numel, out, *, levels=None, divisor=1):
     """:func:`gradcomp.ops.reference.dequantize_sum`, decoded by this backend."""
-    flat = _part(out.view(-1), 0, numel, out.numel())
+    flat = sliced(out.view(-1), 0, numel, out.numel())
     if flat.dtype == torch.float32:
         _dequantize_rows_sum(rows, bits, block, levels, flat, divisor)
     else:
@@ -348,6 +306,8 @@ def dequantize_sum(rows, bits, block, numel, out, *, levels=None, divisor=1):
 def _dequantize_rows_sum(rows, bits: int, block: int, levels: int, out: torch.Tensor, divisor: int) -> None:
     """:func:`dequantize_sum` into an fp32 ``out``: every row's chunk decoded at once
     (a chunk of all of them stays in L2), then added in row order."""
+    if cpu_small.dequantize_sum(rows, bits, block, levels, out, divisor):
+        return
     numel, count = out.numel(), rows.shape[0]
     blocks = math.ceil(numel / block)
     scales = rows[:, : 4 * blocks].view(torch.float32)
@@ -355,7 +315,7 @@ def _dequantize_rows_sum(rows, bits: int, block: int, levels: int, out: torch.Te
     out.zero_()
     if count == 0:  # the sum of no payloads
         return
-    for start, end in chunks(numel, block, max(1, CHUNK_ELEMENTS // count)):
+    for start, end in chunks(numel, block, max(1, cpu_shared.CHUNK_ELEMENTS // count)):
         part = codes[:, start * bits // 8 : math.ceil(end * bits / 8)]
         if bits != 8:
             part = unpack_bits(part.reshape(-1), bits, part.numel() * (8 // bits)).view(count, -1)
@@ -367,9 +327,9 @@ def _dequantize_rows_sum(rows, bits: int, block: int, levels: int, out: torch.Te
         first = start // block
         decoded = level.view(count, whole, block).mul_(scales[:, first : first + whole].unsqueeze(2))
         decoded = decoded.view(count, -1)
-        target = _part(out, start, end, numel)
+        target = sliced(out, start, end, numel)
         for row in range(count):
-            target += _part(decoded[row], 0, size, whole * block)
+            target += sliced(decoded[row], 0, size, whole * block)
     if divisor != 1:
         out.div_(divisor)
 
@@ -397,180 +357,6 @@ def sign_decompress_sum(rows, block, numel, out, *, divisor=1):
     """:func:`gradcomp.ops.reference.sign_decompress_sum`, decoded by this backend."""
     _decode_sum(rows, block, 1, out.view(-1)[:numel], divisor, _sign_decoder(block))
     return out
-
-
-# ----------------------------------------------------------------------------- Top-K
-
-
-def _sampled_top_k(x, residual, y, pending, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (ascending) and values in ``y`` of the sampling path's picks, before padding.
-
-    ``y`` is ``x + residual``, or will be once ``pending`` is added."""
-    # Read before the residual is touched: the same bits as y's samples.
-    threshold = reference.sample_threshold(x, residual, k, seed)
-    candidates = _reaching(y, threshold, pending)
-    picked = y.index_select(0, candidates)  # on CPU much faster than y[candidates]
-    magnitude = reference.selection_magnitude(picked)
-    capacity = reference.candidate_capacity(k)
-    if candidates.numel() > capacity:
-        ranked = reference.within_capacity(magnitude > threshold, capacity)
-        candidates, picked, magnitude = candidates[ranked], picked[ranked], magnitude[ranked]
-    if candidates.numel() <= k:
-        return candidates, picked
-    kept = reference.keep_largest(magnitude, k)
-    return candidates[kept], picked[kept]
-
-
-def topk_select(
-    x: torch.Tensor,
-    k: int,
-    residual: torch.Tensor | None = None,
-    exact: bool = False,
-    *,
-    seed: int = 0,
-    index_dtype: torch.dtype | None = None,
-    value_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: :func:`gradcomp.ops.reference.topk_select`."""
-    numel = x.numel()
-    # y = x + residual. An fp32 residual becomes y in place, lazily: the
-    # sampling path adds x a chunk at a time inside the selection loop.
-    if residual is not None and residual.dtype == torch.float32:
-        y, pending = residual.view(-1), x.reshape(-1)
-    else:
-        y, pending = compensate(x, residual), None
-    if exact or k == numel:
-        if pending is not None:
-            y += pending
-        indices = torch.topk(reference.selection_magnitude(y), k, sorted=False).indices
-        picked = y.index_select(0, indices)
-    else:
-        indices, picked = _sampled_top_k(x, residual, y, pending, k, seed)
-    values = picked.to(value_dtype)
-    # Every selection takes inf and NaN first (up to k of them), so y has a
-    # non-finite entry outside the picks only if a pick is non-finite.
-    clean = residual is not None and bool(torch.isfinite(picked).all())
-    _keep_unsent(residual, y, indices, picked - values.float(), finite=clean)
-    if indices.numel() < k:
-        padding = k - indices.numel()
-        values = torch.cat([values, values.new_zeros(padding)])
-        indices = torch.cat([indices, indices.new_zeros(padding)])
-    return values, indices.to(index_dtype)
-
-
-def _reaching(y: torch.Tensor, threshold: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
-    """Ascending indices (int64) where :func:`selection_magnitude` of ``y`` reaches ``threshold``.
-
-    With ``pending``, ``y += pending`` first (in the same chunk loop). A
-    chunk at a time, in numpy, on the bit patterns: for floats of
-    either sign, ``bits & 0x7FFFFFFF`` orders as ``|y|`` does, inf included,
-    and NaN's patterns lie above inf's, so NaN reaches every threshold, as
-    in :func:`selection_magnitude`. Two integer passes and no temporaries
-    instead of abs, nan_to_num and a float compare.
-    """
-    bound = int(np.float32(threshold.item()).view(np.int32))
-    pieces = chunks(y.numel(), 1)
-    size = max(end - start for start, end in pieces)
-    bits, mask = np.empty(size, np.int32), np.empty(size, np.bool_)
-    patterns = y.numpy().view(np.int32)
-    found = []
-    for start, end in pieces:
-        if pending is not None:
-            y[start:end] += pending[start:end]
-        n = end - start
-        np.bitwise_and(patterns[start:end], 0x7FFFFFFF, out=bits[:n])
-        np.greater_equal(bits[:n], bound, out=mask[:n])
-        found.append(np.flatnonzero(mask[:n]) + start)
-    return torch.from_numpy(found[0] if len(found) == 1 else np.concatenate(found))
-
-
-def _keep_unsent(
-    residual: torch.Tensor | None,
-    y: torch.Tensor,
-    indices: torch.Tensor,
-    lost: torch.Tensor,
-    finite: bool = False,
-) -> None:
-    """Residual of a sparse send: ``y`` where nothing was sent, ``lost`` at ``indices``.
-    Consumes ``y`` (non-finite entries zeroed in place, a pass skipped when
-    the caller knows them ``finite``)."""
-    if residual is None:
-        return
-    flat = residual.view(-1)
-    if not finite:
-        y.nan_to_num_(0.0, 0.0, 0.0)
-    if y.data_ptr() != flat.data_ptr():  # else y is the residual already
-        flat.copy_(y)
-    flat[indices] = lost.nan_to_num(0.0, 0.0, 0.0).to(flat.dtype)
-
-
-# ----------------------------------------------------------------------------- random-K
-
-
-def _feistel_permute_numpy(x: np.ndarray, half_bits: int, keys: list[int]) -> np.ndarray:
-    """:func:`feistel_permute` on uint64 arrays, the halves in uint32, whose
-    products wrap modulo 2**32 as ``& 0xFFFFFFFF`` makes them there."""
-    mask = np.uint32((1 << half_bits) - 1)
-    left = (x >> np.uint64(half_bits)).astype(np.uint32)
-    right = (x & np.uint64(mask)).astype(np.uint32)
-    for key in keys:
-        value = right ^ np.uint32(key)
-        value ^= value >> np.uint32(16)
-        value *= np.uint32(reference.HASH_MULTIPLIERS[0])
-        value ^= value >> np.uint32(15)
-        value *= np.uint32(reference.HASH_MULTIPLIERS[1])
-        value ^= value >> np.uint32(16)
-        value &= mask
-        value ^= left
-        left, right = right, value
-    return (left.astype(np.uint64) << np.uint64(half_bits)) | right
-
-
-def _walk_numpy(numel: int, k: int, half_bits: int, keys: list[int]) -> torch.Tensor:
-    """:func:`_walk_torch` on CPU: each walk takes only the entries still out
-    of range, in numpy, where an op on a few elements costs a microsecond, not
-    the ten of a torch op (the walk takes about 20 rounds)."""
-    chosen = _feistel_permute_numpy(np.arange(k, dtype=np.uint64), half_bits, keys)
-    pending = np.flatnonzero(chosen >= numel)
-    while pending.size:
-        moved = _feistel_permute_numpy(chosen[pending], half_bits, keys)
-        chosen[pending] = moved
-        pending = pending[moved >= numel]
-    chosen = chosen.astype(np.int64)
-    chosen.sort()
-    return torch.from_numpy(chosen)
-
-
-def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`gradcomp.ops.reference.randk_indices`, walked in numpy, the last few remembered."""
-    half_bits, keys = reference.feistel_half_bits(numel), reference.feistel_keys(seed)
-    walk = functools.partial(_walk_numpy, numel, k, half_bits, keys)
-    return index_cache.remembered("cpu", numel, k, seed, torch.device(device), walk)
-
-
-def randk_select(
-    x: torch.Tensor,
-    k: int,
-    seed: int,
-    residual: torch.Tensor | None = None,
-    *,
-    multiplier: float = 1.0,
-    value_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Reference: :func:`gradcomp.ops.reference.randk_select`."""
-    indices = randk_indices(x.numel(), k, seed, x.device)
-    y = _compensate_in_residual(x, residual)
-    picked = y[indices]
-    scaled = picked * multiplier
-    # No host sync: adds NaN to the first value exactly when y holds inf or NaN.
-    # (min and max propagate NaN: both are finite exactly when every entry is.)
-    finite = torch.isfinite(torch.stack(torch.aminmax(y))).all()
-    scaled[:1] += torch.where(finite, 0.0, math.nan)
-    values = scaled.to(value_dtype)
-    # Known finite: the residual's nan_to_num pass goes.
-    clean = residual is not None and _known(finite)
-    _keep_unsent(residual, y, indices, picked - values.float(), finite=clean)
-    return values
 
 
 FUNCTIONS = {

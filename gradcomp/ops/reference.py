@@ -58,6 +58,7 @@ from gradcomp.ops.reference_sparse import (  # noqa: F401 - re-exported: the spa
     randk_indices,
     randk_select,
     sample_positions,
+    sample_size,
     sample_threshold,
     scatter_add,
     selection_magnitude,

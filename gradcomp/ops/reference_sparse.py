@@ -39,10 +39,15 @@ def candidate_capacity(k: int) -> int:
 
 def sample_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor | None:
     """Positions whose magnitudes estimate the k-th largest (None: use every element)."""
-    sample_size = min(numel, max(4096, math.ceil(SAMPLE_HITS * numel / k)))
-    if sample_size >= numel:
+    size = sample_size(numel, k)
+    if size >= numel:
         return None
-    return torch.randint(numel, (sample_size,), generator=generator(seed, device), device=device)
+    return torch.randint(numel, (size,), generator=generator(seed, device), device=device)
+
+
+def sample_size(numel: int, k: int) -> int:
+    """How many magnitudes estimate the k-th largest (``numel``: every element)."""
+    return min(numel, max(4096, math.ceil(SAMPLE_HITS * numel / k)))
 
 
 def threshold_from_sample(sample_magnitude: torch.Tensor, k: float, numel: int) -> torch.Tensor:
