@@ -50,9 +50,12 @@ class BucketLayouts:
     def layout_of(self, bucket: dist.GradBucket) -> BucketLayout:
         """``bucket``'s layout, numbering parameters seen for the first time."""
         layout = []
+        numbers = self._numbers
         for parameter in bucket.parameters():
-            number = self._numbers.setdefault(id(parameter), len(self._numbers))
-            self._shapes[number] = tuple(parameter.shape)
+            number = numbers.get(id(parameter))
+            if number is None:
+                number = numbers[id(parameter)] = len(numbers)
+                self._shapes[number] = tuple(parameter.shape)
             layout.append((number, parameter.numel()))
         return tuple(layout)
 

@@ -19,7 +19,7 @@ from gradcomp.compressors import Compressor
 
 def settings_key(compressor: Compressor) -> str:
     """The compressor's settings as one stable string (equal settings, equal key)."""
-    return repr(sorted(compressor.settings().items()))
+    return compressor.settings_key()
 
 
 def fingerprint_of(compressor: Compressor, tensor: torch.Tensor, algorithm: str, op: str) -> tuple:

@@ -42,7 +42,8 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
         algorithm = f"{algorithm}/{job.inter_algorithm or 'default'}"
     if job.compressor.low_rank:  # the matrices decide the factors' sizes
         algorithm = f"{algorithm}/shapes {job.shapes or tuple(tensor.shape)}"
-    verify_agreement(q, fingerprint_of(job.compressor, tensor, algorithm, job.op), tensor.device)
+    job.fingerprint = fingerprint_of(job.compressor, tensor, algorithm, job.op)
+    verify_agreement(q, job.fingerprint, tensor.device)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
     if job.algorithm == HIERARCHICAL:

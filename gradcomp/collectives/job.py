@@ -49,6 +49,7 @@ class Job:
     inter_algorithm: str | None = None
     shapes: tuple[tuple[int, ...], ...] | None = None
     gathered: list | None = None
+    fingerprint: tuple | None = None
 
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""

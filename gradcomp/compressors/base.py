@@ -120,6 +120,18 @@ class Compressor:
         options = {name: getattr(self, name) for name in _option_names(type(self))}
         return {"name": self.name, "feedback": self.needs_feedback, **options}
 
+    def settings_key(self) -> str:
+        """:meth:`settings` as one stable string (equal settings, equal key); kept until
+        an attribute is set (every bucket's job reads it)."""
+        key = self.__dict__.get("_settings_key")
+        if key is None:
+            key = self.__dict__["_settings_key"] = repr(sorted(self.settings().items()))
+        return key
+
+    def __setattr__(self, name: str, value) -> None:
+        self.__dict__.pop("_settings_key", None)
+        super().__setattr__(name, value)
+
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.settings().items() if k != "name")
         return f"{type(self).__name__}({options})"
@@ -216,6 +228,24 @@ class Compressor:
             total /= divisor
         if total is not out:
             out.copy_(total)
+
+    # The collectives' one-row lane (collectives.allgather): the whole tensor as one row.
+    # For valid inputs that the caller made (no checks beyond compress's); compressors
+    # with a row op override them with that op, called without the op boundary.
+    @without_grad
+    def encode_row(self, flat: torch.Tensor, row: torch.Tensor, ctx: Context) -> dict[str, int]:
+        """Write ``compress(flat, ctx)`` into the flat uint8 ``row`` (``to_buffer``'s
+        bytes, zero-padded to its end: exactly its :func:`buffer_size` wide) and
+        return the payload's meta."""
+        payload = self.compress(flat, ctx)
+        payload.to_buffer(out=row)
+        return payload.meta
+
+    @without_grad
+    def decode_rows(self, rows: torch.Tensor, out: torch.Tensor, meta: dict[str, int], divisor: int) -> None:
+        """:meth:`decompress_sum` of ``rows``, :meth:`encode_row`'s rows of tensors of
+        ``out``'s dtype, into ``out`` (1-D, contiguous)."""
+        self.decompress_sum(rows, out.dtype, out, meta=meta, divisor=divisor)
 
     def _from_row(self, row: torch.Tensor, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Payload:
         layout = self.payload_layout(numel, dtype, meta)

@@ -92,6 +92,27 @@ class BlockQuantizer(Compressor):
             return super().decompress_sum(rows, dtype, out, meta=meta, divisor=divisor)
         ops.dequantize_sum(rows, self.bits, self.block, out.numel(), out, levels=self.levels, divisor=divisor)
 
+    @without_grad
+    def encode_row(self, flat: torch.Tensor, row: torch.Tensor, ctx: Context) -> dict[str, int]:
+        # quantize_rows of one row holds quantize_blockwise's bits with the same seed
+        # (compress's): the payload's bytes, as Payload.to_buffer lays them out.
+        chunk = -(-flat.numel() // self.block) * self.block
+        if not self._rows_fit(chunk) or chunk == 0:
+            return super().encode_row(flat, row, ctx)
+        quantize = ops.implementation("quantize_rows", flat.device)
+        options = {"levels": self.levels, "scale": self.scale_mode}
+        random = (self.stochastic, self._private_seed(ctx))
+        quantize(flat, self.bits, self.block, chunk, row.view(1, -1), *random, ctx.residual, **options)
+        return {}
+
+    @without_grad
+    def decode_rows(self, rows: torch.Tensor, out: torch.Tensor, meta: dict[str, int], divisor: int) -> None:
+        if not self._rows_fit(self.block):
+            return super().decode_rows(rows, out, meta, divisor)
+        decode = ops.implementation("dequantize_sum", out.device)
+        decode(rows, self.bits, self.block, out.numel(), out, levels=self.levels, divisor=divisor)
+        return None
+
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         return ops.dequantize_blockwise(
             payload.tensors["codes"],
@@ -206,6 +227,10 @@ class Ternary(BlockQuantizer):
         for which, numel in self._row_groups(out.numel(), chunk):
             self._convert(wide[which], rows[which], numel, dtype, pack=False)
         super().decompress_rows(wide, dtype, chunk, out)
+
+    # Rows of five codes a byte: the general one-row path (compress, to_buffer, decompress_sum).
+    encode_row = Compressor.encode_row
+    decode_rows = Compressor.decode_rows
 
     @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:

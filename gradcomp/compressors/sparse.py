@@ -42,12 +42,19 @@ class _Sparse(Compressor):
         """Every rank's payload in one scatter-add (on a GPU, atomic: repeated
         indices are summed in no fixed order); a mean divides each payload's
         ``k`` values before they are added, not the output."""
+        self._sum(rows, dtype, out, meta, divisor, ops.scatter_add)
+
+    @without_grad
+    def decode_rows(self, rows: torch.Tensor, out: torch.Tensor, meta: dict[str, int], divisor: int) -> None:
+        self._sum(rows, out.dtype, out, meta, divisor, ops.implementation("scatter_add", out.device))
+
+    def _sum(self, rows, dtype, out, meta, divisor: int, scatter_add) -> None:
         fields = row_views(rows, self.payload_layout(out.numel(), dtype, meta))
         values = fields["values"].to(torch.promote_types(fields["values"].dtype, torch.float32))
         if divisor != 1:
             values = values / divisor
         total = out if out.dtype == torch.float32 else torch.empty(out.numel(), device=out.device)
-        ops.scatter_add(self._row_indices(fields, out.numel(), meta), values.reshape(-1), total.zero_())
+        scatter_add(self._row_indices(fields, out.numel(), meta), values.reshape(-1), total.zero_())
         if total is not out:
             out.copy_(total)
 
@@ -122,6 +129,20 @@ class TopK(_Sparse):
             value_dtype=flat.dtype,
         )
         return {"indices": indices, "values": values}, {"k": k}
+
+    @without_grad
+    def encode_row(self, flat: torch.Tensor, row: torch.Tensor, ctx: Context) -> dict[str, int]:
+        numel = flat.numel()
+        k = resolve_k(numel, self.ratio, self.k)
+        select = ops.implementation("topk_select", flat.device)
+        options = {"seed": self._private_seed(ctx), "index_dtype": self._index_dtype(numel)}
+        values, indices = select(flat, k, ctx.residual, self.exact, value_dtype=flat.dtype, **options)
+        layout = self.payload_layout(numel, flat.dtype, {"k": k})
+        fields = row_views(row.view(1, -1), layout)
+        fields["indices"][0].copy_(indices)
+        fields["values"][0].copy_(values)
+        row[sum(count * dtype.itemsize for _, dtype, count in layout) :].zero_()  # as to_buffer pads
+        return {"k": k}
 
     def _indices(self, payload: Payload) -> torch.Tensor:
         return payload.tensors["indices"]
