@@ -14,6 +14,10 @@ Python, the worker thread, the transport).
 The configurations, each a model of its own in every rank, trained with SGD:
 
 * ``ddp``: DDP's own all-reduce, no hook (the baseline);
+* ``torch_allreduce``, ``torch_fp16``: PyTorch's own Python hooks
+  (``default_hooks.allreduce_hook``, ``fp16_compress_hook``): what any
+  Python hook costs over DDP's C++ path, and what PyTorch's compressing
+  hook costs ("vs fp16 hook": a run's step time above it, per bucket);
 * ``int8``, ``topk``: ``gradcomp.ddp.register(model, name, min_numel=0,
   warmup_steps=0, measure_error=False)``: every bucket compressed from the
   first step (the default ``min_numel`` would keep buckets under 1,024
@@ -77,6 +81,7 @@ from lib.options import add_common_options
 from lib.plots import figure
 from lib.progress import Progress
 from lib.results import Results, publish, ratio
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
@@ -86,8 +91,21 @@ from gradcomp.ops import cpu_backend
 from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
 
-CONFIGS = ("ddp", "int8", "topk")
-LABELS = {"ddp": "DDP all-reduce (no hook)", "int8": "gradcomp int8", "topk": "gradcomp topk 1%"}
+CONFIGS = ("ddp", "torch_allreduce", "torch_fp16", "int8", "topk")
+LABELS = {
+    "ddp": "DDP all-reduce (no hook)",
+    "torch_allreduce": "torch allreduce_hook",
+    "torch_fp16": "torch fp16_compress_hook",
+    "int8": "gradcomp int8",
+    "topk": "gradcomp topk 1%",
+}
+# PyTorch's own Python hooks: what any hook costs (allreduce_hook does in Python what DDP
+# does without a hook) and what PyTorch's compressing one costs.
+TORCH_HOOKS = {
+    "torch_allreduce": default_hooks.allreduce_hook,
+    "torch_fp16": default_hooks.fp16_compress_hook,
+}
+GRADCOMP = ("int8", "topk")
 GOAL_US = 100.0  # issue 36: gradcomp's host time per bucket at most this far above DDP's own
 # Blocking primitives: own time spent in them is waiting (the worker's idle queue, a lock, a
 # collective's or a future's wait), not work.
@@ -165,7 +183,9 @@ class Configuration:
         cap_mb = settings["bucket_numel"] * 4 / 2**20  # one parameter's bytes: a bucket each
         self.model = DistributedDataParallel(net, bucket_cap_mb=cap_mb)
         self.state = None
-        if name != "ddp":
+        if name in TORCH_HOOKS:
+            self.model.register_comm_hook(None, TORCH_HOOKS[name])  # None: the default group
+        elif name != "ddp":
             self.state = gradcomp.ddp.register(
                 self.model, name, min_numel=0, warmup_steps=0, measure_error=False
             )
@@ -302,6 +322,8 @@ def record(config: Configuration, settings: dict, world_size: int) -> dict:
     if config.state is not None:
         config.state.flush()
         how = ", ".join(sorted(set(config.state.stats[-1].compressors.values())))
+    elif config.name in TORCH_HOOKS:
+        how = f"torch {TORCH_HOOKS[config.name].__name__}"
     return dict(
         config=config.name,
         run=LABELS[config.name],
@@ -408,6 +430,7 @@ def where(key: tuple[str, int, str]) -> str:
 def derive(records: list[dict], profile: dict | None) -> None:
     """Ratios and per-bucket figures against DDP's own all-reduce; the profile's totals."""
     ddp = next(r for r in records if r["config"] == "ddp")
+    fp16 = next(r for r in records if r["config"] == "torch_fp16")
     for r in records:
         buckets = r["buckets"]
         r["x_ddp"] = ratio(r["step_ms"], ddp["step_ms"])
@@ -418,6 +441,7 @@ def derive(records: list[dict], profile: dict | None) -> None:
             for mine, base in zip(r["step_ms_rounds"], ddp["step_ms_rounds"], strict=True)
         ]
         r["extra_cpu_us_per_bucket"] = 1e3 * (r["cpu_ms"] - ddp["cpu_ms"]) / buckets
+        r["over_torch_fp16_us_per_bucket"] = 1e3 * (r["step_ms"] - fp16["step_ms"]) / buckets
         r["goal_us_per_bucket"] = GOAL_US
         r["within_goal"] = r["config"] == "ddp" or r["extra_us_per_bucket"] <= GOAL_US
         for key in ("main", "worker", "codec", "path", "other"):
@@ -431,7 +455,8 @@ def derive(records: list[dict], profile: dict | None) -> None:
 
 
 def format_report(records: list[dict]) -> str:
-    header = ["run", "step ms", "x DDP", "us/bucket", "extra us/bucket", "goal", "CPU ms/step"]
+    header = ["run", "step ms", "x DDP", "us/bucket", "extra us/bucket", "goal", "vs fp16 hook"]
+    header += ["CPU ms/step"]
     header += ["extra CPU us/bucket", "main", "worker", "codec ops", "the rest", "other"]
     rows = []
     for r in records:
@@ -444,6 +469,7 @@ def format_report(records: list[dict]) -> str:
                 f"{r['step_us_per_bucket']:.0f}",
                 "-" if baseline else f"{r['extra_us_per_bucket']:+.0f}",
                 "-" if baseline else ("met" if r["within_goal"] else "NOT met"),
+                f"{r['over_torch_fp16_us_per_bucket']:+.0f}",
                 f"{r['cpu_ms']:.2f}",
                 "-" if baseline else f"{r['extra_cpu_us_per_bucket']:+.0f}",
                 f"{r['main_cpu_us_per_bucket']:.0f}",
@@ -453,7 +479,7 @@ def format_report(records: list[dict]) -> str:
                 f"{r['other_cpu_us_per_bucket']:.0f}",
             ]
         )
-    groups = [("", 6), ("CPU time", 2), ("by thread", 2), ("of the worker's", 2), ("", 1)]
+    groups = [("", 7), ("CPU time", 2), ("by thread", 2), ("of the worker's", 2), ("", 1)]
     return format_table(header, rows, groups)
 
 
@@ -513,7 +539,7 @@ def report(records: list[dict], profile: dict | None, settings: dict) -> str:
         f"per thread, {settings['profile_clock']} clock; slowed down by the profiler):",
         format_profile_totals(records, settings["profile_clock"]),
     ]
-    for name in CONFIGS[1:]:
+    for name in GRADCOMP:
         for thread in THREADS:
             lines.append(f"\n{LABELS[name]}, {thread} thread, per bucket")
             for order in ("own", "cumulative"):

@@ -47,15 +47,18 @@ def test_host_cost_smoke(tmp_path, capsys):
     with open(stem + ".json") as file:
         document = json.load(file)
     assert MACHINE_COLUMNS <= set(rows[0]) and document["machine"]["cpus"] == os.cpu_count()
-    assert [r["config"] for r in rows] == ["ddp", "int8", "topk"]
+    assert [r["config"] for r in rows] == ["ddp", "torch_allreduce", "torch_fp16", "int8", "topk"]
     by_config = {r["config"]: r for r in document["records"]}
     assert by_config["int8"]["how"] == "int8 allgather" and by_config["topk"]["how"] == "topk allgather"
+    assert by_config["torch_fp16"]["how"] == "torch fp16_compress_hook"
     for record in document["records"]:
         assert record["buckets"] == 4 and record["bucket_numel"] == 1024 and record["timed_steps"] == 4
         assert record["step_ms"] > 0 and len(record["step_ms_rounds"]) == 2 and record["cpu_ms"] > 0
         expected = 1e3 * (record["step_ms"] - by_config["ddp"]["step_ms"]) / 4
         assert record["extra_us_per_bucket"] == pytest.approx(expected)
         assert record["goal_us_per_bucket"] == host_cost.GOAL_US
+        over = 1e3 * (record["step_ms"] - by_config["torch_fp16"]["step_ms"]) / 4
+        assert record["over_torch_fp16_us_per_bucket"] == pytest.approx(over)
     assert by_config["ddp"]["x_ddp"] == 1.0
     # The worker thread runs gradcomp's jobs: next to nothing while DDP reduces on its own.
     assert by_config["ddp"]["worker_cpu_ms"] < 0.1 * by_config["int8"]["worker_cpu_ms"]

@@ -26,7 +26,7 @@ from gradcomp import collectives
 
 LAYERS = 16  # a bucket each: 32 x 32 weights and their bias
 # Calls per bucket (the hook's on the training thread, and the worker's), with ~15% margin.
-BOUNDS = {"int8": (48, 550), "topk": (48, 540)}
+BOUNDS = {"int8": (40, 245), "topk": (40, 285)}
 
 
 class CallCounter:

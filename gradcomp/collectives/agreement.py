@@ -18,8 +18,11 @@ from gradcomp.compressors import Compressor
 
 
 def settings_key(compressor: Compressor) -> str:
-    """The compressor's settings as one stable string (equal settings, equal key)."""
-    return compressor.settings_key()
+    """The compressor's settings as one stable string (equal settings, equal key); a
+    :class:`Compressor` keeps it until an attribute is set (``"auto"``'s chooser makes it
+    afresh)."""
+    cached = getattr(compressor, "settings_key", None)
+    return cached() if cached is not None else repr(sorted(compressor.settings().items()))
 
 
 def fingerprint_of(compressor: Compressor, tensor: torch.Tensor, algorithm: str, op: str) -> tuple:

@@ -6,12 +6,22 @@ The default for payloads that do not add up on 2 ranks, and for Top-K below
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Generator
 
 import torch
 
 from gradcomp.collectives.job import Job
-from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, compress_measured, exchange
+from gradcomp.collectives.stats import (
+    COMPRESS,
+    DECODE,
+    EXCHANGE,
+    ReduceStats,
+    Timer,
+    compress_measured,
+    exchange,
+    profiled,
+)
 from gradcomp.collectives.two_phase import two_phase_segments
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
 from gradcomp.compressors import Compressor, Context, mix_seed
@@ -86,13 +96,23 @@ def _one_row(job: Job, flat: torch.Tensor, residual, q: CollectiveQueue, stats: 
     compressor = job.compressor
     gathered = torch.empty(q.world_size, width, dtype=torch.uint8, device=flat.device)
     send = torch.empty(width, dtype=torch.uint8, device=flat.device)
-    with Timer(stats, COMPRESS):
-        meta = compressor.encode_row(flat, send, Context(residual, job.step, job.key, q.rank))
-    with exchange():
-        gather = all_gather_async(gathered.view(-1), send, q.group)
+    context = Context(residual, job.step, job.key, q.rank)
+    began = time.perf_counter()
+    meta = _in_range(COMPRESS, compressor.encode_row, flat, send, context)
+    stats.compress_seconds += time.perf_counter() - began
+    gather = _in_range(EXCHANGE, all_gather_async, gathered.view(-1), send, q.group)
     stats.bytes_sent += width * (q.world_size - 1)
     yield  # every collective of this job is issued: the next job may start
-    with exchange():
-        gather.wait()
-    with Timer(stats):
-        compressor.decode_rows(gathered, flat, meta, q.world_size if job.op == "avg" else 1)
+    _in_range(EXCHANGE, gather.wait)
+    began = time.perf_counter()
+    divisor = q.world_size if job.op == "avg" else 1
+    _in_range(DECODE, compressor.decode_rows, gathered, flat, meta, divisor)
+    stats.compress_seconds += time.perf_counter() - began
+
+
+def _in_range(name: str, function, *args):
+    """``function(*args)``, inside a profiler range ``name`` while a profile is taken."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return function(*args)
+    with profiled(name):
+        return function(*args)

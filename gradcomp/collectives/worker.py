@@ -178,22 +178,16 @@ class CollectiveQueue:
             job.error = self._earlier_failure()
             return
         try:
+            if _bare(job.device):
+                job.result = _first_step(job)
+                return
             with (
                 self.streams.running(job.device, job.ready, job.writes),
                 profiled(job.name),
             ):
-                result = job.fn()
-                if inspect.isgenerator(result):
-                    try:
-                        next(result)
-                    except StopIteration as done:
-                        result = done.value
-                    else:
-                        job.steps = result
+                job.result = _first_step(job)
         except BaseException as error:  # noqa: BLE001 - handed to the waiter
             self.failure = job.error = error
-        else:
-            job.result = result
 
     def _finish(self, job: _Started) -> None:
         """Run a paused job to its end; complete its future."""
@@ -203,8 +197,11 @@ class CollectiveQueue:
             job.error = self._earlier_failure()
         elif job.steps is not None:
             try:
-                with self.streams.running(job.device), profiled(job.name):
+                if _bare(job.device):
                     job.result = drive(job.steps)
+                else:
+                    with self.streams.running(job.device), profiled(job.name):
+                        job.result = drive(job.steps)
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
                 self.failure = job.error = error
         job.steps = None
@@ -214,11 +211,33 @@ class CollectiveQueue:
         try:
             if job.error is not None:
                 job.future.set_exception(job.error)
-                return
-            with self.streams.running(job.device):
+            elif not streams.uses_streams(job.device):
                 job.future.set_result(job.result)
+            else:
+                with self.streams.running(job.device):
+                    job.future.set_result(job.result)
         finally:
             torch._C._set_grad_enabled(False)
+
+
+def _bare(device: torch.device) -> bool:
+    """Whether a job on ``device`` runs without a stream and outside a profiler range (a
+    CPU job, no profile running): its with-blocks are skipped (a few calls a bucket)."""
+    return not streams.uses_streams(device) and not torch.autograd.profiler._is_profiler_enabled
+
+
+def _first_step(job: _Started):
+    """Run ``job``'s function; a generator (job steps) up to its pause, kept in
+    ``job.steps``. The result, where it ran to its end."""
+    result = job.fn()
+    if not inspect.isgenerator(result):
+        return result
+    try:
+        next(result)
+    except StopIteration as done:
+        return done.value
+    job.steps = result
+    return None
 
 
 @dataclasses.dataclass
