@@ -47,15 +47,17 @@ def quantize(y, residual, bits: int, block: int, levels: int, overflow: float, p
     if pad:
         values = np.concatenate((values, np.zeros(pad, dtype=np.float32)))
     blocks = values.reshape(-1, block)
-    scale = np.abs(blocks).max(axis=1)
+    # The ufuncs themselves: ndarray.max and np.clip go through Python wrappers first.
+    scale = np.maximum.reduce(np.abs(blocks), axis=1)
     np.divide(scale, np.float32(levels), out=scale)
-    if not float(scale.max()) * (2 * levels) < overflow:  # a non-finite block (NaN fails too)
+    if not float(np.maximum.reduce(scale)) * (2 * levels) < overflow:  # non-finite (NaN fails too)
         return False
     scales.numpy()[:] = scale
     column = np.where(scale > 0, scale, np.float32(1.0))[:, None]
     level = blocks / column
     np.rint(level, out=level)
-    np.clip(level, -levels, levels, out=level)
+    np.minimum(level, levels, out=level)
+    np.maximum(level, -levels, out=level)
     flat = level.reshape(-1)[:numel]
     codes = flat.astype(np.int8).view(np.uint8)
     codes += np.uint8(levels)  # wraps the negative levels into place, as the torch path does
