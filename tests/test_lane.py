@@ -6,7 +6,7 @@ general path differs (segments, error measurement, changed settings)."""
 from __future__ import annotations
 
 import torch
-from utils import run_ranks
+from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.collectives import allgather as allgather_module
@@ -126,3 +126,49 @@ def _lane_not_taken(rank: int, world_size: int) -> None:
 
 def test_lane_is_not_taken_for_segments_error_measurement_or_changed_settings():
     run_ranks(_lane_not_taken, 2)
+
+
+def _every_queue_kind(rank: int, world_size: int) -> None:
+    # What allgather runs on: the worker's queue, a hierarchy's level between nodes, and a
+    # group the caller's thread runs jobs on (FSDP2's, DiLoCo's); each keeps its own lanes.
+    from gradcomp.collectives.inline import InlineGroup
+
+    taken = []
+    original = allgather_module._one_row
+    allgather_module._one_row = lambda *args: taken.append(1) or original(*args)
+    try:
+        inline = InlineGroup(None)
+        runs = {
+            "queue": lambda x, step: gradcomp.all_reduce(
+                x, "int8", algorithm="allgather", name="q", step=step
+            ),
+            "level": lambda x, step: gradcomp.all_reduce(
+                x,
+                "int8",
+                algorithm="hierarchical",
+                node_size=1,
+                inter_algorithm="allgather",
+                name="h",
+                step=step,
+            ),
+            "inline": lambda x, step: inline.run(
+                gradcomp.collectives.Job(
+                    x, gradcomp.get_compressor("int8"), "avg", "allgather", None, key=3, step=step
+                )
+            ),
+        }
+        for kind, run in runs.items():
+            before = len(taken)
+            results = []
+            for step in range(2):
+                x = _input(rank, 3000, torch.float32, salt=step)
+                run(x, step)
+                results.append(x)
+            assert len(taken) == before + 1, kind  # the second step
+            assert all(same_on_all_ranks(x) for x in results), kind
+    finally:
+        allgather_module._one_row = original
+
+
+def test_lane_runs_on_every_kind_of_queue():
+    run_ranks(_every_queue_kind, 2)

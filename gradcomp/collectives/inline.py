@@ -23,10 +23,19 @@ from gradcomp.collectives.worker import drive
 
 class InlineGroup:
     """What the algorithms read of a :class:`~gradcomp.collectives.worker.CollectiveQueue`
-    (``group``, ``rank``, ``world_size``, the settings verified so far), for jobs run
-    in the caller's thread on ``group`` itself."""
+    (``group``, ``rank``, ``world_size``, the settings verified so far, allgather's
+    lanes), for jobs run in the caller's thread on ``group`` itself."""
 
-    __slots__ = ("group", "rank", "world_size", "verified", "hierarchies", "layout_exchanges", "lock")
+    __slots__ = (
+        "group",
+        "rank",
+        "world_size",
+        "verified",
+        "hierarchies",
+        "lanes",
+        "layout_exchanges",
+        "lock",
+    )
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group or dist.group.WORLD
@@ -34,6 +43,7 @@ class InlineGroup:
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}
+        self.lanes: dict = {}
         self.layout_exchanges = 0
         self.lock = threading.Lock()
 

@@ -15,12 +15,14 @@ import torch.distributed as dist
 @dataclasses.dataclass
 class Level:
     """One level of a hierarchy, shaped like a :class:`CollectiveQueue` for
-    the flat algorithms: its group, this rank's place in it, its checked settings."""
+    the flat algorithms: its group, this rank's place in it, its checked settings,
+    allgather's lanes."""
 
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
     verified: set = dataclasses.field(default_factory=set)
+    lanes: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
