@@ -5,6 +5,8 @@ general path differs (segments, error measurement, changed settings)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from utils import run_ranks, same_on_all_ranks
 
@@ -34,9 +36,9 @@ def _input(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor
     return torch.randn(numel, generator=generator).to(dtype)
 
 
-def _run(rank: int, lane: bool, dtype: torch.dtype):
-    """Three steps of every compressor and size, with error feedback; the results,
-    the residuals, the bytes sent and how many jobs took the lane."""
+@contextlib.contextmanager
+def _lanes_taken(lane: bool = True):
+    """Within: a list that counts the jobs that take the lane (none where not ``lane``)."""
     taken = []
     original_lane_of, original_one_row = allgather_module._lane_of, allgather_module._one_row
 
@@ -48,6 +50,15 @@ def _run(rank: int, lane: bool, dtype: torch.dtype):
     if not lane:
         allgather_module._lane_of = lambda *args: None
     try:
+        yield taken
+    finally:
+        allgather_module._lane_of, allgather_module._one_row = original_lane_of, original_one_row
+
+
+def _run(rank: int, lane: bool, dtype: torch.dtype):
+    """Three steps of every compressor and size, with error feedback; the results,
+    the residuals, the bytes sent and how many jobs took the lane."""
+    with _lanes_taken(lane) as taken:
         memory, results, sent = gradcomp.ErrorFeedback(), [], []
         for step in range(3):
             for c, (label, options) in enumerate(COMPRESSORS.items()):
@@ -61,8 +72,6 @@ def _run(rank: int, lane: bool, dtype: torch.dtype):
                     results.append(x)
                     sent.append(stats.bytes_sent)
         return results, memory, sent, len(taken)
-    finally:
-        allgather_module._lane_of, allgather_module._one_row = original_lane_of, original_one_row
 
 
 def _lane_is_the_general_path(rank: int, world_size: int) -> None:
@@ -84,10 +93,7 @@ def test_lane_gives_the_general_paths_bits_residuals_and_bytes():
 
 
 def _lane_not_taken(rank: int, world_size: int) -> None:
-    taken = []
-    original = allgather_module._one_row
-    allgather_module._one_row = lambda *args: taken.append(1) or original(*args)
-    try:
+    with _lanes_taken() as taken:
         # Long CPU tensors go in segments (a pipeline): never the lane.
         long = _input(rank, 2**21 + 5, torch.float32, salt=1)
         for step in range(2):
@@ -120,8 +126,6 @@ def _lane_not_taken(rank: int, world_size: int) -> None:
         gradcomp.all_reduce(fresh, kind, algorithm="allgather", feedback=False, name="k", step=2)
         assert len(taken) == 2  # the kind ran once, at the changed settings
         assert torch.equal(got, fresh)
-    finally:
-        allgather_module._one_row = original
 
 
 def test_lane_is_not_taken_for_segments_error_measurement_or_changed_settings():
@@ -133,10 +137,7 @@ def _every_queue_kind(rank: int, world_size: int) -> None:
     # group the caller's thread runs jobs on (FSDP2's, DiLoCo's); each keeps its own lanes.
     from gradcomp.collectives.inline import InlineGroup
 
-    taken = []
-    original = allgather_module._one_row
-    allgather_module._one_row = lambda *args: taken.append(1) or original(*args)
-    try:
+    with _lanes_taken() as taken:
         inline = InlineGroup(None)
         runs = {
             "queue": lambda x, step: gradcomp.all_reduce(
@@ -166,8 +167,6 @@ def _every_queue_kind(rank: int, world_size: int) -> None:
                 results.append(x)
             assert len(taken) == before + 1, kind  # the second step
             assert all(same_on_all_ranks(x) for x in results), kind
-    finally:
-        allgather_module._one_row = original
 
 
 def test_lane_runs_on_every_kind_of_queue():
