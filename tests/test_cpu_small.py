@@ -160,3 +160,43 @@ def test_small_top_k_is_the_torch_path_and_the_reference(monkeypatch, numel, k, 
         assert got is None or torch.equal(_bits(got), _bits(want))
     for got, want in zip(small, select(True, reference), strict=True):
         assert got is None or torch.equal(_bits(got), _bits(want))
+
+
+def test_small_top_k_takes_tensors_of_any_shape():
+    # The op takes any shape, and a residual of as many elements in another shape.
+    x, residual = _sparse_gradient(64, "normal", seed=1), torch.randn(64) * 0.1
+    cases = [(x.view(8, 8), None), (x, residual.view(8, 8)), (x.view(8, 8), residual.view(4, 16))]
+    for tensor, kept in cases:
+        mine = None if kept is None else kept.clone()
+        got = cpu_backend.topk_select(tensor, 5, mine, seed=3, index_dtype=torch.int32)
+        theirs = None if kept is None else kept.clone()
+        want = reference.topk_select(tensor, 5, theirs, seed=3, index_dtype=torch.int32)
+        for a, b in zip((*got, mine), (*want, theirs), strict=True):
+            assert a is None or torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.filterwarnings("error")  # numpy warns on inf and NaN where torch is silent
+def test_small_paths_take_non_finite_values_without_warnings():
+    x = torch.tensor([3e38, 3e38, -math.inf, math.nan] + [1.0] * 60)
+    residual = torch.tensor([3e38] + [0.0] * 63)
+    cpu_backend.topk_select(x, 2, residual.clone(), index_dtype=torch.int32)
+    cpu_backend.quantize_blockwise(x, 8, 32, residual=residual.clone(), levels=127)
+    rows = torch.zeros(2, 4 * 2 + 64, dtype=torch.uint8)
+    for r in range(2):
+        reference.quantize_rows(x * (r + 1), 8, 32, 64, rows[r : r + 1], levels=127)
+    cpu_backend.dequantize_sum(rows, 8, 32, 64, torch.empty(64), levels=127, divisor=2)
+
+
+@pytest.mark.parametrize("order", ["inf first", "NaN first"])
+def test_small_dequantize_sum_keeps_the_nan_torch_keeps(order):
+    # A block holding inf decodes 0 * inf: a NaN of one sign; one holding NaN, another.
+    infinite, nan = torch.ones(64), torch.ones(64)
+    infinite[5], nan[7] = math.inf, math.nan
+    rows = torch.zeros(2, 4 + 64, dtype=torch.uint8)
+    pair = (infinite, nan) if order == "inf first" else (nan, infinite)
+    for r, x in enumerate(pair):
+        reference.quantize_rows(x, 8, 64, 64, rows[r : r + 1], levels=127)
+    got = cpu_backend.dequantize_sum(rows, 8, 64, 64, torch.empty(64), levels=127)
+    want = reference.dequantize_sum(rows, 8, 64, 64, torch.empty(64), levels=127)
+    assert got.isnan().all()
+    assert torch.equal(_bits(got), _bits(want))

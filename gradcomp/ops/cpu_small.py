@@ -32,6 +32,11 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray | None:
     return tensor.numpy()
 
 
+# numpy warns where torch is silent (an overflowing sum, 0 * inf): the results are the same.
+_QUIET = np.errstate(over="ignore", invalid="ignore")
+
+
+@_QUIET
 def quantize(y, residual, bits: int, block: int, levels: int, overflow: float, packed, scales) -> bool:
     """Round-to-nearest absmax quantization of the compensated ``y`` (1-D) into
     ``packed`` and ``scales``, ``residual`` (or None) set to ``y`` minus what the
@@ -71,6 +76,7 @@ def quantize(y, residual, bits: int, block: int, levels: int, overflow: float, p
     return True
 
 
+@_QUIET
 def dequantize_sum(
     rows: torch.Tensor, bits: int, block: int, levels: int, out: torch.Tensor, divisor: int
 ) -> bool:
@@ -97,12 +103,13 @@ def dequantize_sum(
     decoded = decoded.reshape(count, -1)
     total[:] = 0.0
     for row in range(count):
-        total += decoded[row, :numel]
+        np.add(decoded[row, :numel], total, out=total)  # as torch's +=: the row's NaN where both are
     if divisor != 1:
         np.divide(total, np.float32(divisor), out=total)
     return True
 
 
+@_QUIET
 def top_k(x, k: int, residual, sample_whole: bool):
     """:func:`gradcomp.ops.reference.topk_select`'s sampling path where the sample is
     the whole tensor (``sample_whole``): the threshold then lets every entry that
@@ -116,7 +123,7 @@ def top_k(x, k: int, residual, sample_whole: bool):
     if not sample_whole or numel > SMALL or given is None or (residual is not None and kept is None):
         return None
     if kept is not None:
-        kept += given
+        np.add(given, kept, out=kept)  # as torch's residual += x: x's NaN where both are NaN
         y = kept
     else:
         y = given

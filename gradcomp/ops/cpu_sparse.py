@@ -51,7 +51,8 @@ def topk_select(
     numel = x.numel()
     if not exact and k != numel and value_dtype == torch.float32:
         whole = reference.sample_size(numel, k) >= numel
-        small = cpu_small.top_k(x, k, residual, whole)
+        flat_residual = None if residual is None else residual.view(-1)
+        small = cpu_small.top_k(x.reshape(-1), k, flat_residual, whole)
         if small is not None:
             return _padded(*small, k, index_dtype)
     # y = x + residual. An fp32 residual becomes y in place, lazily: the
