@@ -55,7 +55,7 @@ class BucketLayouts:
             number = numbers.get(id(parameter))
             if number is None:
                 number = numbers[id(parameter)] = len(numbers)
-                self._shapes[number] = tuple(parameter.shape)
+            self._shapes[number] = tuple(parameter.shape)  # what a low-rank compressor factorises
             layout.append((number, parameter.numel()))
         return tuple(layout)
 
