@@ -1,8 +1,9 @@
-"""The README's Python snippets, run as a user would (adapted to CPUs and Gloo where they say so).
+"""The Python snippets of the user docs (README.md and docs/usage.md), run as a user would
+(adapted to CPUs and Gloo where they say so).
 
 Each snippet the suite runs follows a marker, ``<!-- test: NAME -->``, on the line before its
-code block: the tests find it by name, so that the README can move, add or drop prose and
-examples around it.
+code block: the tests find it by name, so that the docs can move, add or drop prose and
+examples around it, and move an example from one page to the other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_DOCS = (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "usage.md"))
 MARKED = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", flags=re.S)
 # Every marked block, and the test that runs it.
 RUN = {
@@ -33,22 +35,26 @@ RUN = {
 
 
 def readme() -> str:
-    with open(README) as file:
-        return file.read()
+    """The user docs, one page after the other."""
+    pages = []
+    for path in USER_DOCS:
+        with open(path) as file:
+            pages.append(file.read())
+    return "\n".join(pages)
 
 
 def marked_blocks() -> dict[str, str]:
-    """Each marked Python block of the README by its marker's name."""
+    """Each marked Python block of the user docs by its marker's name."""
     blocks = {}
     for name, code in MARKED.findall(readme()):
-        assert name not in blocks, f"README.md marks two blocks <!-- test: {name} -->"
+        assert name not in blocks, f"the user docs mark two blocks <!-- test: {name} -->"
         blocks[name] = code
     return blocks
 
 
 def block(name: str) -> str:
     blocks = marked_blocks()
-    assert name in blocks, f"README.md has no Python block after <!-- test: {name} -->"
+    assert name in blocks, f"the user docs have no Python block after <!-- test: {name} -->"
     return blocks[name]
 
 
@@ -57,8 +63,8 @@ def test_every_python_block_of_the_readme_is_marked_and_run():
     markers = re.findall(r"<!-- test: ([\w-]+) -->", text)
     blocks = marked_blocks()
     assert len(markers) == len(blocks), "a <!-- test: --> marker is not followed by a ```python block"
-    assert text.count("```python\n") == len(blocks), "a Python block of README.md has no test marker"
-    assert sorted(blocks) == sorted(RUN), "a marked README block was added or removed: run it here too"
+    assert text.count("```python\n") == len(blocks), "a Python block of the user docs has no test marker"
+    assert sorted(blocks) == sorted(RUN), "a marked block was added or removed: run it here too"
 
 
 def _training(module, loader, loss_fn, lr: float, **names) -> dict:
