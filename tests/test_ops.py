@@ -16,7 +16,7 @@ import torch
 from utils import DTYPES, EPS32, REFERENCE, assert_conserved, assert_unbiased, block_view, seeded_randn
 
 from gradcomp import ops, streams
-from gradcomp.ops import cpu_backend, cpu_packing, cpu_shared, cpu_sparse, index_cache, reference
+from gradcomp.ops import cpu_backend, cpu_packing, cpu_shared, cpu_small, cpu_sparse, index_cache, reference
 
 CPU = torch.device("cpu")
 
@@ -388,15 +388,19 @@ def test_sign_magnitude_is_block_mean_and_sign_matches(numel, block, dtype):
 # ============================================================================= chunking
 
 
+CPU_OPS = ops.backend("cpu")
+
+
 def _blockwise_round_trip(op: str, x: torch.Tensor, residual: torch.Tensor, bits: int, block: int):
-    """(payload, residual after, decoded into None / into a fp16 accumulator) of one op."""
+    """(payload, residual after, decoded into None / into a fp16 accumulator) of one op,
+    on the CPU backend."""
     numel = x.numel()
     if op == "quantize":
-        payload = REFERENCE.quantize_blockwise(x, bits, block, residual=residual)
-        decode = lambda **kw: REFERENCE.dequantize_blockwise(*payload, bits, block, numel, **kw)  # noqa: E731
+        payload = CPU_OPS.quantize_blockwise(x, bits, block, residual=residual)
+        decode = lambda **kw: CPU_OPS.dequantize_blockwise(*payload, bits, block, numel, **kw)  # noqa: E731
     else:
-        payload = REFERENCE.sign_compress(x, block, residual)
-        decode = lambda **kw: REFERENCE.sign_decompress(*payload, block, numel, **kw)  # noqa: E731
+        payload = CPU_OPS.sign_compress(x, block, residual)
+        decode = lambda **kw: CPU_OPS.sign_decompress(*payload, block, numel, **kw)  # noqa: E731
     accumulator = torch.linspace(-1, 1, numel, dtype=torch.float16)
     return payload, residual, decode(), decode(out=accumulator, accumulate=True)
 
@@ -405,9 +409,11 @@ def _blockwise_round_trip(op: str, x: torch.Tensor, residual: torch.Tensor, bits
 @pytest.mark.parametrize("numel, block", [(10_007, 100), (8_192, 256), (3_001, 64)])
 @pytest.mark.parametrize("residual_dtype", [torch.float32, torch.float16], ids=str)
 def test_blockwise_ops_give_the_same_bits_in_chunks(monkeypatch, op, bits, numel, block, residual_dtype):
-    # The reference walks long tensors a chunk at a time; a tensor cut into
+    # The CPU backend walks long tensors a chunk at a time; a tensor cut into
     # many chunks (blocks and code bytes never straddling one) must give
-    # exactly the bits of one pass, non-finite blocks included.
+    # exactly the bits of one pass, non-finite blocks included. (Small ones
+    # would go through numpy, in one piece: not here.)
+    monkeypatch.setattr(cpu_small, "SMALL", 0)
     x = seeded_randn(numel, seed=numel + bits)
     x[numel // 3] = math.nan
     x[numel // 2] = -math.inf
@@ -431,10 +437,12 @@ def test_topk_threshold_selection_gives_the_same_bits_in_chunks(monkeypatch, k, 
         x[[5, 9_000, 20_010]] = torch.tensor([math.nan, math.inf, -math.inf])
     residual = seeded_randn(numel, seed=3) * 0.01
 
-    def select():
+    def select():  # on the CPU backend, which walks the tensor a chunk at a time
         kept = residual.clone()
-        values, indices = REFERENCE.topk_select(x, k, kept, seed=11)
+        values, indices = CPU_OPS.topk_select(x, k, kept, seed=11)
         return values, indices, kept
+
+    monkeypatch.setattr(cpu_small, "SMALL", 0)  # not through numpy, in one piece
 
     whole = select()
     monkeypatch.setattr(cpu_shared, "CHUNK_ELEMENTS", 1)
