@@ -176,15 +176,22 @@ def test_small_top_k_takes_tensors_of_any_shape():
 
 
 @pytest.mark.filterwarnings("error")  # numpy warns on inf and NaN where torch is silent
-def test_small_paths_take_non_finite_values_without_warnings():
+def test_small_paths_take_non_finite_values_without_warnings(monkeypatch):
     x = torch.tensor([3e38, 3e38, -math.inf, math.nan] + [1.0] * 60)
     residual = torch.tensor([3e38] + [0.0] * 63)
-    cpu_backend.topk_select(x, 2, residual.clone(), index_dtype=torch.int32)
+    cpu_backend.topk_select(x, 2, residual.clone(), index_dtype=torch.int32)  # x + residual overflows
     cpu_backend.quantize_blockwise(x, 8, 32, residual=residual.clone(), levels=127)
+    # Rows whose sum overflows (3e38 twice), and a block of inf alone (0 * inf decodes NaN).
     rows = torch.zeros(2, 4 * 2 + 64, dtype=torch.uint8)
-    for r in range(2):
-        reference.quantize_rows(x * (r + 1), 8, 32, 64, rows[r : r + 1], levels=127)
-    cpu_backend.dequantize_sum(rows, 8, 32, 64, torch.empty(64), levels=127, divisor=2)
+    finite = torch.tensor([3e38] * 32 + [1.0] * 32)
+    infinite = torch.tensor([3e38] * 32 + [math.inf] * 32)
+    for r, row in enumerate((finite, infinite)):
+        reference.quantize_rows(row, 8, 32, 64, rows[r : r + 1], levels=127)
+    taken = []
+    original = cpu_small.dequantize_sum
+    monkeypatch.setattr(cpu_small, "dequantize_sum", lambda *a: taken.append(original(*a)) or taken[-1])
+    out = cpu_backend.dequantize_sum(rows, 8, 32, 64, torch.empty(64), levels=127)
+    assert taken == [True] and out[:32].isinf().all() and out[32:].isnan().all()
 
 
 @pytest.mark.parametrize("order", ["inf first", "NaN first"])

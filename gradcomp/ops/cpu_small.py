@@ -33,10 +33,10 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray | None:
 
 
 # numpy warns where torch is silent (an overflowing sum, 0 * inf): the results are the same.
+# (quantize never computes with a non-finite value: it leaves those to the torch path.)
 _QUIET = np.errstate(over="ignore", invalid="ignore")
 
 
-@_QUIET
 def quantize(y, residual, bits: int, block: int, levels: int, overflow: float, packed, scales) -> bool:
     """Round-to-nearest absmax quantization of the compensated ``y`` (1-D) into
     ``packed`` and ``scales``, ``residual`` (or None) set to ``y`` minus what the
