@@ -429,8 +429,8 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
     Creating it is a collective: every rank of the group must reach the first
     gradcomp collective on it, as with any collective.
     """
-    existing = _QUEUES.get(group)  # every bucket asks: no lock, no checks once it exists
-    if existing is not None:
+    existing = _QUEUES.get(group)  # every bucket asks: no lock once it exists
+    if existing is not None and dist.is_initialized():
         return existing
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")
