@@ -10,6 +10,14 @@ import os
 import pytest
 import torch
 
+# torch's CPU math through MKL (sqrt in AdamW's denominator, for one) is not the
+# same from run to run without conditional numerical reproducibility: a fresh
+# process on a busy machine now and then takes a path with about 12 correct bits
+# (seen in plain torch, without gradcomp). The suite compares runs bit for bit,
+# across processes too (spawned ranks inherit this). MKL reads it at its first
+# call: importing torch makes none, torch.set_num_threads below makes one.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -17,13 +25,6 @@ if not torch.cuda.is_available():
 # small, and on a machine that other processes keep busy, OpenMP's threads wait for
 # cores at every op; the tests' results do not depend on the number of threads.
 torch.set_num_threads(1)
-
-# torch's CPU math through MKL (sqrt in AdamW's denominator, for one) is not the
-# same from run to run without conditional numerical reproducibility: a fresh
-# process on a busy machine now and then takes a path with about 12 correct bits
-# (seen in plain torch, without gradcomp). The suite compares runs bit for bit,
-# across processes too (spawned ranks inherit this). MKL reads it at its first call.
-os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 
 @pytest.fixture
