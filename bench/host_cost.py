@@ -23,6 +23,13 @@ The configurations, each a model of its own in every rank, trained with SGD:
   first step (the default ``min_numel`` would keep buckets under 1,024
   elements dense), Top-K with its default ratio (1%).
 
+``--device cuda``: the models, their gradients and the codecs on the GPU (rank
+``r`` on GPU ``r`` modulo the GPUs there are: the ranks may share one), the
+exchange still Gloo's (through host copies: DDP's own all-reduce too). The
+codec ops' time is then the host's, launching their kernels: what a bucket's
+path costs the host when kernel time vanishes, the figure the goal is about.
+Each step ends with a synchronize, so that its time holds the device's work.
+
 Timing: ``--warmup-steps`` untimed steps of each configuration, then
 ``--rounds`` rounds; a round runs ``--steps`` steps of each configuration
 in turn, the order rotating by one from round to round, so that a machine
@@ -56,6 +63,7 @@ skipped, with a note.
 Example:
     python bench/host_cost.py
     python bench/host_cost.py --buckets 64 --bucket-numel 1024 --rounds 5 --steps 30
+    python bench/host_cost.py --device cuda --rounds 3 --steps 20
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import argparse
 import cProfile
 import datetime
 import functools
+import importlib
 import math
 import os
 import pstats
@@ -87,7 +96,6 @@ from torch.nn.parallel import DistributedDataParallel
 import gradcomp
 from gradcomp import ops
 from gradcomp.collectives import queue_for
-from gradcomp.ops import cpu_backend
 from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_cell, format_table
 
@@ -156,6 +164,12 @@ def parser() -> argparse.ArgumentParser:
         default="cpu",
         help="the profile's clock: each thread's CPU time (default) or wall time",
     )
+    top.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the models, gradients and codecs are (default cpu; the exchange is Gloo's either way)",
+    )
     top.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     add_common_options(top)
     return top
@@ -186,9 +200,11 @@ class Configuration:
 
     def __init__(self, name: str, rank: int, settings: dict):
         self.name = name
-        net = TinyBuckets(settings["buckets"], settings["bucket_numel"])
+        self.device = device_of(rank, settings)
+        net = TinyBuckets(settings["buckets"], settings["bucket_numel"]).to(self.device)
         cap_mb = settings["bucket_numel"] * 4 / 2**20  # one parameter's bytes: a bucket each
-        self.model = DistributedDataParallel(net, bucket_cap_mb=cap_mb)
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=cap_mb)
         self.state = None
         if name in TORCH_HOOKS:
             self.model.register_comm_hook(None, TORCH_HOOKS[name])  # None: the default group
@@ -198,7 +214,7 @@ class Configuration:
             )
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=settings["lr"])
         generator = torch.Generator().manual_seed(1000 + rank)
-        self.inputs = torch.randn(1, settings["bucket_numel"], generator=generator)
+        self.inputs = torch.randn(1, settings["bucket_numel"], generator=generator).to(self.device)
         self.rounds: list[list[float]] = []  # each round's step seconds
         self.cpu = dict.fromkeys(CPU_CLOCKS, 0.0)  # CPU seconds, timed steps
 
@@ -206,28 +222,52 @@ class Configuration:
         self.optimizer.zero_grad(set_to_none=True)
         self.model(self.inputs).square().mean().backward()
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time holds the device's work
+
+
+def device_of(rank: int, settings: dict) -> torch.device:
+    """This rank's device: the CPU, or GPU ``rank`` modulo the GPUs there are."""
+    if settings["device"] == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+# Each backend's own test of whether it runs on a device (its module's is_available).
+AVAILABILITY = {
+    "torch": None,
+    "cpu": "gradcomp.ops.cpu_backend",
+    "triton": "gradcomp.ops.triton_backend",
+    "cuda": "gradcomp.ops.cuda_backend",
+}
 
 
 class CodecClock:
-    """The worker thread's CPU time inside the CPU backend's ops (the codecs' kernels: on a
-    GPU, launches): each op of the ``cpu`` backend registered again, timed on ``worker``.
-    The rest of the worker's CPU time is gradcomp's own path (jobs, payloads, statistics)."""
+    """The worker thread's CPU time inside the codec ops (on a CPU their kernels, on a GPU
+    their launches): each op of every backend that runs on ``device`` registered again,
+    timed on ``worker``. The rest of the worker's CPU time is gradcomp's own path (jobs,
+    payloads, statistics)."""
 
-    def __init__(self, worker: threading.Thread):
-        self.worker, self.seconds = worker, 0.0
-        timed = {name: self._timed(function) for name, function in ops.functions("cpu").items()}
-        ops.register_backend("cpu", cpu_backend.is_available, timed)
+    def __init__(self, worker: threading.Thread, device: torch.device):
+        self.worker, self.seconds, self.inside = worker, 0.0, False
+        self.backends = [name for name in ops.BACKENDS if ops.runs_on(name, device)]
+        for name in self.backends:
+            module = AVAILABILITY[name] and importlib.import_module(AVAILABILITY[name])
+            is_available = module.is_available if module else (lambda _: True)
+            timed = {op: self._timed(function) for op, function in ops.functions(name).items()}
+            ops.register_backend(name, is_available, timed)
 
     def _timed(self, function):
         @functools.wraps(function)
         def run(*args, **kwargs):
-            if threading.current_thread() is not self.worker:
-                return function(*args, **kwargs)
-            began = time.thread_time()
+            if threading.current_thread() is not self.worker or self.inside:
+                return function(*args, **kwargs)  # (an op inside another counts once)
+            began, self.inside = time.thread_time(), True
             try:
                 return function(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - began
+                self.inside = False
 
         return run
 
@@ -236,9 +276,9 @@ class Clocks:
     """CPU clocks of this process, its training thread, gradcomp's worker thread and the
     worker's codec ops."""
 
-    def __init__(self, worker: threading.Thread):
+    def __init__(self, worker: threading.Thread, device: torch.device):
         self.worker = time.pthread_getcpuclockid(worker.ident)
-        self.codec = CodecClock(worker)
+        self.codec = CodecClock(worker, device)
 
     def read(self) -> dict:
         return {
@@ -268,7 +308,7 @@ def ranks(rank: int, world_size: int, settings: dict) -> dict:
     returns the records and the profile."""
     q = queue_for(None)  # made here, in the same order on every rank (a collective)
     worker = q.submit(threading.current_thread, torch.device("cpu")).wait()
-    clocks = Clocks(worker)
+    clocks = Clocks(worker, device_of(rank, settings))
     configs = [Configuration(name, rank, settings) for name in CONFIGS]
     steps, rounds = settings["steps"], settings["rounds"]
     total = len(configs) * (settings["warmup_steps"] + rounds * steps + settings["profile_steps"])
@@ -523,7 +563,8 @@ def format_functions(rows: list[dict], order: str) -> str:
 
 def describe(settings: dict) -> str:
     return (
-        f"{settings['buckets']} buckets of {settings['bucket_numel']} fp32 elements (one parameter "
+        f"{settings['device']} tensors, {settings['buckets']} buckets of {settings['bucket_numel']} fp32 "
+        "elements (one parameter "
         f"each, scaling a one-row input), SGD lr {settings['lr']}; {settings['warmup_steps']} untimed "
         f"steps of each run, then {settings['rounds']} rounds of {settings['steps']} steps of each, "
         "the order rotating; median step of the slowest rank; CPU time: mean per step over the timed "
@@ -575,9 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("need --buckets, --bucket-numel, --steps, --rounds >= 1 and --warmup-steps >= 3")
     if args.profile_steps < 0 or args.top < 1 or args.spawn < 2:
         parser().error("need --profile-steps >= 0, --top >= 1 and --spawn >= 2")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser().error("--device cuda needs a CUDA GPU; none is visible here")
     settings = vars(args)
     date = datetime.date.today().isoformat()
-    results = Results("host_cost", machine(args.spawn, "gloo"), settings, args.out, f"-{date}")
+    suffix = f"-{date}" if args.device == "cpu" else f"-{args.device}-{date}"
+    results = Results("host_cost", machine(args.spawn, "gloo"), settings, args.out, suffix)
     print(f"machine: {results.machine['machine']}, gradcomp {results.machine['revision']}", flush=True)
     try:
         outcome = spawning.spawn(ranks, args.spawn, settings)

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -27,7 +28,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 SCRIPT = os.path.join(BENCH, "gpu_check.sh")
-SECTIONS = ("versions", "kernels", "worker", "overlap", "compare", "parity", "memcheck")
+SECTIONS = ("versions", "kernels", "worker", "overlap", "compare", "parity", "host cost", "memcheck")
 # What the device runner brings back of the output folder.
 MOST_FILES = 8
 sys.path.insert(0, BENCH)
@@ -129,5 +130,11 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path):
     (kernels,) = tmp_path.glob("kernels-*.json")
     ops = {record["op"] for record in json.loads(kernels.read_text())["records"]}
     assert {"copy", "quantize_int8_ef", "topk_1pct_ef", "topk_1pct"} <= ops
+    # The host cost's files travel in the archive (the folder keeps its 8).
+    with tarfile.open(tmp_path / "gpu_check-files.tar.gz") as archive:
+        (name,) = [n for n in archive.getnames() if n.startswith("./host_cost-") and n.endswith(".json")]
+        host = json.load(archive.extractfile(name))
+    assert host["settings"]["device"] == "cpu"
+    assert [r["config"] for r in host["records"]] == ["ddp", "torch_allreduce", "torch_fp16", "int8", "topk"]
     # The suite's budget for it, with room for a busy machine (about 75 s on 2 idle cores).
     assert seconds < 180, seconds

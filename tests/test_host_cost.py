@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -33,6 +34,13 @@ def test_profile_is_summarized_per_bucket_with_waits_apart():
     assert first["cumulative_us_per_bucket"] == pytest.approx(1500.0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where no GPU is visible")
+def test_device_cuda_without_a_gpu_is_refused(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        host_cost.main(["--device", "cuda"])
+    assert stopped.value.code == 2 and "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_host_cost_smoke(tmp_path, capsys):
     args = ["--buckets", "4", "--steps", "2", "--rounds", "2", "--warmup-steps", "3", "--profile-steps", "1"]
@@ -47,6 +55,7 @@ def test_host_cost_smoke(tmp_path, capsys):
     with open(stem + ".json") as file:
         document = json.load(file)
     assert MACHINE_COLUMNS <= set(rows[0]) and document["machine"]["cpus"] == os.cpu_count()
+    assert document["settings"]["device"] == "cpu" and "cpu tensors" in out
     assert [r["config"] for r in rows] == ["ddp", "torch_allreduce", "torch_fp16", "int8", "topk"]
     by_config = {r["config"]: r for r in document["records"]}
     assert by_config["int8"]["how"] == "int8 allgather" and by_config["topk"]["how"] == "topk allgather"
