@@ -306,9 +306,12 @@ def timed_step(config: Configuration, clocks: Clocks) -> None:
 def ranks(rank: int, world_size: int, settings: dict) -> dict:
     """Body of the spawned ranks: warm-up, the interleaved rounds, the profile (rank 0);
     returns the records and the profile."""
+    device = device_of(rank, settings)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # gradcomp's worker stream and events on this rank's GPU
     q = queue_for(None)  # made here, in the same order on every rank (a collective)
     worker = q.submit(threading.current_thread, torch.device("cpu")).wait()
-    clocks = Clocks(worker, device_of(rank, settings))
+    clocks = Clocks(worker, device)
     configs = [Configuration(name, rank, settings) for name in CONFIGS]
     steps, rounds = settings["steps"], settings["rounds"]
     total = len(configs) * (settings["warmup_steps"] + rounds * steps + settings["profile_steps"])
