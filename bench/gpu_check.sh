@@ -25,14 +25,14 @@
 #              torch backend: one rank over NCCL, two over Gloo on CUDA tensors
 #   parity     the GPU tests: every GPU op against the torch reference, the
 #              backends' own tests, auto's CUDA-event timing (pytest -n 8)
-#   host cost  the DDP hook's host time per bucket against DDP's own all-reduce,
-#              64 one-parameter buckets of 1K elements on 2 Gloo ranks: the
-#              models and codecs on the GPU (the codec ops cost their
-#              launches), then on CPU tensors with a core for every thread
-#              (bench/host_cost.py; optional, reported only)
 #   memcheck   if time is left and compute-sanitizer runs: every op of the cuda
 #              and triton backends at 1, 1023 and 4097 elements under memcheck
 #              (bench/gpu_memcheck.py)
+#   host cost  in the time left: the DDP hook's host time per bucket against
+#              DDP's own all-reduce, 64 one-parameter buckets of 1K elements on
+#              2 Gloo ranks: the models and codecs on the GPU (the codec ops
+#              cost their launches), then on CPU tensors with a core for every
+#              thread (bench/host_cost.py; optional, reported only)
 #
 # What comes back (OUTPUT_DIR): gpu_check.txt (versions and one line per
 # section), gpu_check.log (every section's output), gpu_check.json (worker,
@@ -211,23 +211,6 @@ section parity 120 1 python3 -m pytest "${parity[@]}" --timeout 60 -rfE --tb=sho
   --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \
   tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py tests/test_subgroups.py
 
-# The host cost per bucket where kernel time vanishes: the hook's Python path, its
-# worker and the codecs' launches against DDP's C++ path. On the GPU first (the figure
-# the host-cost goal is about), then on CPU tensors, which on this machine get a core
-# for each of a rank's threads. Optional: a figure, not a check. The dry run takes the
-# same code on CPU tensors.
-if [ "$dry_run" -eq 1 ]; then
-  host=(--buckets 8 --rounds 1 --steps 3 --profile-steps 0)
-  host_devices=(cpu)
-else
-  host=(--rounds 3 --steps 20 --profile-steps 0)
-  host_devices=(cuda cpu)
-fi
-for device in "${host_devices[@]}"; do
-  section "host cost $device" 90 0 python3 "$repo/bench/host_cost.py" --device "$device" "${host[@]}" \
-    --out "$extras" --no-progress
-done
-
 # If time is left: memcheck over every op of the GPU backends. PyTorch's caching
 # allocator is off, so every tensor is an allocation of its own and a read past
 # a tensor's end is one past an allocation's. Errors found fail the run (exit 3);
@@ -246,6 +229,23 @@ else
     [ $? -ne 3 ] || status=1
   done
 fi
+
+# The host cost per bucket where kernel time vanishes: the hook's Python path, its
+# worker and the codecs' launches against DDP's C++ path. On the GPU first (the figure
+# the host-cost goal is about), then on CPU tensors, which on this machine get a core
+# for each of a rank's threads. Optional, and last: a figure, not a check, in the time
+# memcheck leaves. The dry run takes the same code on CPU tensors.
+if [ "$dry_run" -eq 1 ]; then
+  host=(--buckets 8 --rounds 1 --steps 3 --profile-steps 0)
+  host_devices=(cpu)
+else
+  host=(--rounds 3 --steps 20 --profile-steps 0)
+  host_devices=(cuda cpu)
+fi
+for device in "${host_devices[@]}"; do
+  section "host cost $device" 90 0 python3 "$repo/bench/host_cost.py" --device "$device" "${host[@]}" \
+    --out "$extras" --no-progress
+done
 
 pack
 echo "gpu_check: $([ "$status" -eq 0 ] && echo "every section passed" || echo "a section FAILED"), $SECONDS s" |

@@ -29,6 +29,12 @@ exchange still Gloo's (through host copies: DDP's own all-reduce too). The
 codec ops' time is then the host's, launching their kernels: what a bucket's
 path costs the host when kernel time vanishes, the figure the goal is about.
 Each step ends with a synchronize, so that its time holds the device's work.
+Read its figures knowing that: ranks sharing a GPU take turns on it, and each
+Gloo operation on CUDA tensors waits on the host for its copies, so process
+switches land in the step time (more for a hook that launches more kernels a
+bucket); and CUDA's default is to spin while the host waits for the device,
+so the CPU-time columns then hold those waits too (the step times do not
+depend on it).
 
 Timing: ``--warmup-steps`` untimed steps of each configuration, then
 ``--rounds`` rounds; a round runs ``--steps`` steps of each configuration
@@ -308,7 +314,7 @@ def ranks(rank: int, world_size: int, settings: dict) -> dict:
     returns the records and the profile."""
     device = device_of(rank, settings)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # gradcomp's worker stream and events on this rank's GPU
+        torch.cuda.set_device(device)  # the training thread's GPU (DDP's, the synchronize's)
     q = queue_for(None)  # made here, in the same order on every rank (a collective)
     worker = q.submit(threading.current_thread, torch.device("cpu")).wait()
     clocks = Clocks(worker, device)
@@ -378,6 +384,7 @@ def record(config: Configuration, settings: dict, world_size: int) -> dict:
         config=config.name,
         run=LABELS[config.name],
         how=how or "torch all_reduce",
+        device=settings["device"],
         buckets=len(bucket_numels(config.model)),
         bucket_numel=settings["bucket_numel"],
         timed_steps=len(seconds),
@@ -572,6 +579,11 @@ def describe(settings: dict) -> str:
         f"steps of each run, then {settings['rounds']} rounds of {settings['steps']} steps of each, "
         "the order rotating; median step of the slowest rank; CPU time: mean per step over the timed "
         f"steps and the ranks; goal: at most {GOAL_US:.0f} us per bucket above DDP's own"
+        + (
+            "; on the GPU the CPU times hold the host's spins while it waits for the device"
+            if settings["device"] == "cuda"
+            else ""
+        )
     )
 
 
@@ -623,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--device cuda needs a CUDA GPU; none is visible here")
     settings = vars(args)
     date = datetime.date.today().isoformat()
-    suffix = f"-{date}" if args.device == "cpu" else f"-{args.device}-{date}"
+    # Where a GPU is visible the names say where the tensors were (the machine's name is the GPU's).
+    suffix = f"-{args.device}-{date}" if torch.cuda.is_available() or args.device != "cpu" else f"-{date}"
     results = Results("host_cost", machine(args.spawn, "gloo"), settings, args.out, suffix)
     print(f"machine: {results.machine['machine']}, gradcomp {results.machine['revision']}", flush=True)
     try:

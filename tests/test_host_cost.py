@@ -62,6 +62,7 @@ def test_host_cost_smoke(tmp_path, capsys):
     assert by_config["torch_fp16"]["how"] == "torch fp16_compress_hook"
     for record in document["records"]:
         assert record["buckets"] == 4 and record["bucket_numel"] == 1024 and record["timed_steps"] == 4
+        assert record["device"] == "cpu"
         assert record["step_ms"] > 0 and len(record["step_ms_rounds"]) == 2 and record["cpu_ms"] > 0
         expected = 1e3 * (record["step_ms"] - by_config["ddp"]["step_ms"]) / 4
         assert record["extra_us_per_bucket"] == pytest.approx(expected)
