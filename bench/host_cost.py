@@ -78,7 +78,6 @@ import argparse
 import cProfile
 import datetime
 import functools
-import importlib
 import math
 import os
 import pstats
@@ -239,15 +238,6 @@ def device_of(rank: int, settings: dict) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-# Each backend's own test of whether it runs on a device (its module's is_available).
-AVAILABILITY = {
-    "torch": None,
-    "cpu": "gradcomp.ops.cpu_backend",
-    "triton": "gradcomp.ops.triton_backend",
-    "cuda": "gradcomp.ops.cuda_backend",
-}
-
-
 class CodecClock:
     """The worker thread's CPU time inside the codec ops (on a CPU their kernels, on a GPU
     their launches): each op of every backend that runs on ``device`` registered again,
@@ -258,10 +248,8 @@ class CodecClock:
         self.worker, self.seconds, self.inside = worker, 0.0, False
         self.backends = [name for name in ops.BACKENDS if ops.runs_on(name, device)]
         for name in self.backends:
-            module = AVAILABILITY[name] and importlib.import_module(AVAILABILITY[name])
-            is_available = module.is_available if module else (lambda _: True)
             timed = {op: self._timed(function) for op, function in ops.functions(name).items()}
-            ops.register_backend(name, is_available, timed)
+            ops.register_backend(name, ops.availability(name), timed)
 
     def _timed(self, function):
         @functools.wraps(function)

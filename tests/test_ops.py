@@ -841,3 +841,18 @@ def test_a_backends_functions_are_its_own_copy():
     assert ops.functions("cpu")["pack_bits"] is not None and ops.runs_on("cpu", "cpu")
     with pytest.raises(ValueError, match="unknown backend"):
         ops.functions("tpu")
+
+
+def test_a_backends_availability_is_the_test_it_was_registered_with():
+    assert ops.availability("cpu") is cpu_backend.is_available
+    assert ops.availability("torch")(torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.availability("tpu")
+
+
+def test_the_availability_of_a_backend_not_installed_is_refused(monkeypatch):
+    monkeypatch.setitem(ops._OPTIONAL, "cuda", ("gradcomp.ops.cuda_backend", "no_such_package"))
+    monkeypatch.delitem(ops._REGISTRY, "cuda", raising=False)
+    monkeypatch.setattr(ops, "_ABSENT", set())
+    with pytest.raises(RuntimeError, match="'cuda' is not installed"):
+        ops.availability("cuda")

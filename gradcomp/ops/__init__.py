@@ -203,6 +203,23 @@ def functions(backend: str) -> dict[str, Callable]:
     return {} if entry is None else dict(entry[1])
 
 
+def availability(backend: str) -> Callable[[torch.device], bool]:
+    """``backend``'s own test of whether it runs on a device (what :func:`register_backend`
+    took): to register its functions again, wrapped, under the same test. An optional
+    backend is loaded first.
+
+    Raises:
+        ValueError: an unknown backend.
+        RuntimeError: an optional backend that is not installed.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _load_optional(backend)
+    if backend not in _REGISTRY:
+        raise RuntimeError(f"backend {backend!r} is not installed (its package or toolchain is missing)")
+    return _REGISTRY[backend][0]
+
+
 def runs_on(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` is installed and runs on tensors of ``device``."""
     if backend not in BACKENDS:
