@@ -37,28 +37,38 @@ def _input(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor
 
 
 @contextlib.contextmanager
-def _lanes_taken(lane: bool = True):
-    """Within: a list that counts the jobs that take the lane (none where not ``lane``)."""
+def _lanes_taken(lane: bool = True, wire: list | None = None):
+    """Within: a list that counts the jobs that take the lane (none where not ``lane``);
+    ``wire``, where given, gets a copy of every row this rank sends."""
     taken = []
     original_lane_of, original_one_row = allgather_module._lane_of, allgather_module._one_row
+    original_gather = allgather_module.all_gather_async
 
     def one_row(*args):
         taken.append(1)
         return original_one_row(*args)
 
+    def gather(output, sent, group):
+        wire.append(sent.clone())
+        return original_gather(output, sent, group)
+
     allgather_module._one_row = one_row
     if not lane:
         allgather_module._lane_of = lambda *args: None
+    if wire is not None:
+        allgather_module.all_gather_async = gather
     try:
         yield taken
     finally:
         allgather_module._lane_of, allgather_module._one_row = original_lane_of, original_one_row
+        allgather_module.all_gather_async = original_gather
 
 
 def _run(rank: int, lane: bool, dtype: torch.dtype):
     """Three steps of every compressor and size, with error feedback; the results,
-    the residuals, the bytes sent and how many jobs took the lane."""
-    with _lanes_taken(lane) as taken:
+    the residuals, the bytes counted, the rows sent and how many jobs took the lane."""
+    wire = []
+    with _lanes_taken(lane, wire) as taken:
         memory, results, sent = gradcomp.ErrorFeedback(), [], []
         for step in range(3):
             for c, (label, options) in enumerate(COMPRESSORS.items()):
@@ -71,13 +81,18 @@ def _run(rank: int, lane: bool, dtype: torch.dtype):
                     )
                     results.append(x)
                     sent.append(stats.bytes_sent)
-        return results, memory, sent, len(taken)
+        return results, memory, sent, wire, len(taken)
 
 
 def _lane_is_the_general_path(rank: int, world_size: int) -> None:
+    # A job takes the lane or not by timing, differently on each rank (allgather._lane_of):
+    # the two paths must put the same bytes on the wire, not only give the same result.
     for dtype in (torch.float32, torch.bfloat16):
-        results, memory, sent, taken = _run(rank, lane=True, dtype=dtype)
-        expected, expected_memory, expected_sent, none = _run(rank, lane=False, dtype=dtype)
+        results, memory, sent, wire, taken = _run(rank, lane=True, dtype=dtype)
+        expected, expected_memory, expected_sent, expected_wire, none = _run(rank, lane=False, dtype=dtype)
+        assert len(wire) == len(expected_wire) == len(results)
+        for row, expected_row in zip(wire, expected_wire, strict=True):
+            assert torch.equal(row, expected_row)
         # Every kind takes the lane from its second step (the first finds its width).
         assert none == 0 and taken == 2 * len(COMPRESSORS) * len(SIZES), taken
         for got, want in zip(results, expected, strict=True):

@@ -84,7 +84,13 @@ def allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
 
 def _lane_of(job: Job, flat: torch.Tensor, residual, q: CollectiveQueue) -> int | None:
     """The width of the job's one row, where its kind has run before and the job may
-    take the lane; None: the general path."""
+    take the lane; None: the general path.
+
+    Whether a job takes the lane depends on timing, which differs between ranks: the
+    width is noted when a job of its kind finishes, after its pause, so a job started
+    while that one is still in flight takes the general path on one rank and may take
+    the lane on another. This is safe only because both paths send the same bytes and
+    give the same bits (tests/test_lane.py holds them to it)."""
     if job.gathered is not None or job.measure_error or job.fingerprint is None:
         return None
     if residual is not None and not residual.is_contiguous():
