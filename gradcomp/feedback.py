@@ -28,7 +28,7 @@ class ErrorFeedback:
         >>> payload = compressor.compress(grad, Context(residual=r))
     """
 
-    __slots__ = ("dtype", "_residuals")
+    __slots__ = ("dtype", "_residuals", "__weakref__")
 
     def __init__(self, dtype: str = "fp32"):
         if dtype not in RESIDUAL_DTYPES:

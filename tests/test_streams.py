@@ -194,9 +194,9 @@ def install_fake() -> FakeCuda:
     collectives.CollectiveQueue._run = recorded_run
     original_submit, original_start = collectives.CollectiveQueue.submit, collectives.CollectiveQueue._start
 
-    def logged_submit(queue, fn, device, writes=None, name="gradcomp.job", collectives=True):
+    def logged_submit(queue, fn, device, writes=None, name="gradcomp.job", collectives=True, state=()):
         fake.log.append(("submit", threading.current_thread().name, name, collectives))
-        return original_submit(queue, fn, device, writes, name, collectives)
+        return original_submit(queue, fn, device, writes, name, collectives, state)
 
     def logged_start(queue, job):
         fake.log.append(("start", WORKER, job.name))

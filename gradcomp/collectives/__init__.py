@@ -22,6 +22,8 @@ The package, one concern a module, imports pointing down this list:
   raise instead of hanging;
 * :mod:`~gradcomp.collectives.worker`: the ordered worker thread that runs a
   group's jobs, over a private clone of the group;
+* :mod:`~gradcomp.collectives.shared_names`: a name given to two tensors in
+  flight at once, warned of;
 * :mod:`~gradcomp.collectives.stats`: what a call cost (:class:`ReduceStats`);
 * :mod:`~gradcomp.collectives.job` (:class:`Job`, one call fully described)
   and :mod:`~gradcomp.collectives.nodes` (:class:`Hierarchy`, a group cut into
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
+from gradcomp.collectives import shared_names
 from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
 from gradcomp.collectives.allgather import allgather_segments
 from gradcomp.collectives.chooser import (
@@ -211,7 +214,10 @@ def all_reduce(
             for none, or None for the default (residuals kept per compressor
             settings, shared by the calls with equal settings).
         name: residual and random-stream key; give distinct names to distinct
-            tensors of one shape (default: the tensor's shape and dtype).
+            tensors of one shape (default: the tensor's shape and dtype). Calls
+            under one name share the residual and run one after the other; a
+            name given to another tensor while a call under it is in flight is
+            warned of once.
         step: step number for random streams (default: a per-name call counter).
         measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
             default: it reads the tensor and the residual once more (or
@@ -266,13 +272,16 @@ def all_reduce(
         if q.world_size > 1:  # made here, in call order; a chooser weighs hierarchical on several nodes
             job.hierarchy = nodes_for_auto(q, node_size)
         steps = functools.partial(chosen_steps, chooser, job, q)
-        future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce")
     else:
         algorithm = check_algorithm(compressor, algorithm, q.world_size)
         job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
         if algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
-        future = q.submit(lambda: job_steps(job, q), tensor.device, writes=tensor, name="gradcomp.all_reduce")
+        steps = functools.partial(job_steps, job, q)
+    state = job.state()
+    shared_names.warn_if_shared(state, tensor, residuals, name)
+    future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce", state=state)
+    shared_names.submitted(state, tensor, future)
     if async_op:
         return Work(future)
     return future.wait()

@@ -38,7 +38,7 @@ class Job:
     """
 
     tensor: torch.Tensor
-    compressor: Compressor
+    compressor: Compressor | None
     op: str
     algorithm: str
     feedback: ErrorFeedback | None
@@ -51,8 +51,26 @@ class Job:
     gathered: list | None = None
     fingerprint: tuple | None = None
 
+    def state(self) -> tuple:
+        """What the job reads and writes, besides its tensor, that outlives it: the
+        residuals and the warm start kept in ``feedback`` under ``key`` and the keys
+        the algorithms make from it (a segment's, an owner's, a shard's), as one token
+        ``(feedback, key)`` (the memory compared by identity); empty where the
+        compressor keeps nothing between calls. A job whose compressor is not chosen
+        yet (None: a chooser picks it on the worker) declares the key. The worker
+        orders jobs by what they declare
+        (:meth:`gradcomp.collectives.worker.CollectiveQueue.submit`)."""
+        if self.feedback is None or (self.compressor is not None and not self.compressor.keeps_state):
+            return ()
+        return kept_under(self.feedback, self.key)
+
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
         if self.feedback is None or not self.compressor.needs_feedback:
             return None
         return self.feedback.residual(name, like)
+
+
+def kept_under(feedback: ErrorFeedback, key: int) -> tuple:
+    """The state token of what ``feedback`` keeps under ``key`` (:meth:`Job.state`)."""
+    return ((feedback, key),)

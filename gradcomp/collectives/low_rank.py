@@ -66,7 +66,9 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
     work = _all_reduce(second, q, stats, async_op=True)
     if compressor.warm_start and job.feedback is not None:
         # Kept now, not after the wait: whether a re-bucketing that starts
-        # meanwhile drops it must not depend on timing.
+        # meanwhile drops it must not depend on timing. Gloo is still summing it
+        # and the mean divides it below: a job under this key, which would read
+        # it, waits for this one (the worker's rule, by Job.state).
         job.feedback.set(warm_start_key(job.key), second)
     yield  # every collective of this job is issued: the next job may start
     if work is not None:

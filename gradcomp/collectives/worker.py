@@ -10,14 +10,26 @@ ranks. The clone keeps these collectives apart from whatever the caller's
 thread issues on the group meanwhile.
 
 Overlap. A job may pause once its last collective is issued (it yields, see
-:func:`gradcomp.collectives.dispatch.job_steps`): while more jobs are queued
-and write into other storage, the worker starts them (compressing one
-overlaps the transfers of those before it), up to :data:`IN_FLIGHT` paused
-at once, and finishes the paused ones, oldest first, when nothing is queued,
-when the limit is reached, or before a job that writes where they write or
-runs to its end without pausing. Collectives are still issued, and futures
-completed, in submission order; a job with nothing queued behind it
-finishes at once.
+:func:`gradcomp.collectives.dispatch.job_steps`): while more jobs are queued,
+the worker starts them (compressing one overlaps the transfers of those
+before it), up to :data:`IN_FLIGHT` paused at once, and finishes the paused
+ones, oldest first, when nothing is queued or when the limit is reached; a
+job that runs to its end without pausing completes after them. Collectives
+are still issued, and futures completed, in submission order; a job with
+nothing queued behind it finishes at once.
+
+The rule that keeps this exact: a job starts while earlier ones are paused
+only if it touches nothing they touch. Each job declares at submission what
+it reads or writes that outlives it (:meth:`CollectiveQueue.submit`): the
+tensor it writes its result into, and the state kept between calls under its
+key (residuals, PowerSGD's warm start: :meth:`gradcomp.collectives.Job.state`).
+A paused job may still be writing any of it (its result arrives after the
+pause, the warm start is the sum Gloo is filling), so a job that shares any of
+it first finishes every paused job up to the last that does; a job that
+declares nothing waits for them all. Each job then reads what it would read
+with one job at a time. What the worker keeps itself and sets after a pause
+(:attr:`CollectiveQueue.lanes`) decides only how a job runs, never its bits
+(:mod:`gradcomp.collectives.allgather`).
 """
 
 from __future__ import annotations
@@ -95,20 +107,23 @@ class CollectiveQueue:
         writes: torch.Tensor | None = None,
         name: str = "gradcomp.job",
         collectives: bool = True,
+        state: tuple = (),
     ) -> torch.futures.Future:
-        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into, if any;
+        """Queue ``fn``; ``writes``: the caller's tensor it writes its result into (None:
+        not said, the job may touch anything); ``state``: hashable tokens of what else it
+        reads or writes that outlives it (:meth:`gradcomp.collectives.Job.state`);
         ``name``: the profiler range the job's work runs in; ``collectives``: False for a
         job that issues none (statistics), which :meth:`wait_issued` need not wait for.
 
-        A job starts while the one before is paused only if their ``writes``
-        share no storage: it must see the result of the one before it.
+        A job starts while earlier ones are paused only if it shares neither the
+        storage of ``writes`` nor a token of ``state`` with them (the module's rule).
         """
         future = streams.new_future(device)
         with self._progress:
             number = self._submitted = self._submitted + 1
             if collectives:
                 self._issuing = number
-            started = _Started(fn, future, device, streams.submitted(device), writes, name, number)
+            started = _Started(fn, future, device, streams.submitted(device), writes, state, name, number)
             self._jobs.put(started)
         return future
 
@@ -146,10 +161,9 @@ class CollectiveQueue:
                 while paused:
                     self._finish(paused.popleft())
                 return
-            storage = _storage(job.writes)
-            while paused and _may_share(storage, [earlier.storage for earlier in paused]):
-                self._finish(paused.popleft())  # the next job reads what one of these writes
-            job.storage = storage
+            job.touches = None if job.writes is None else (_storage(job.writes), *job.state)
+            while paused and _shares(job.touches, [earlier.touches for earlier in paused]):
+                self._finish(paused.popleft())  # the next job touches what one of these writes
             self._start(job)
             if job.steps is None:
                 while paused:  # futures complete in order
@@ -249,23 +263,26 @@ class _Started:
     device: torch.device
     ready: object  # the submitting stream's event (None on CPU)
     writes: torch.Tensor | None
+    state: tuple  # tokens of the state it reads or writes besides writes (Job.state)
     name: str = "gradcomp.job"
     number: int = 0  # in submission order, from 1
     steps: Generator | None = None
-    storage: int | None = None  # of writes, once started (_storage)
+    touches: tuple | None = None  # the storage of writes and the state, once started (None: anything)
     result: object = None
     error: BaseException | None = None
 
 
-def _storage(writes: torch.Tensor | None) -> int | None:
-    """The address of the storage a job writes into (None: not said)."""
-    return None if writes is None else writes.untyped_storage().data_ptr()
+def _storage(writes: torch.Tensor) -> int:
+    """The address of the storage a job writes into."""
+    return writes.untyped_storage().data_ptr()
 
 
-def _may_share(storage: int | None, paused: list[int | None]) -> bool:
-    """Whether a job writing into ``storage`` may write where a paused one does (unknown
-    counts as yes)."""
-    return storage is None or storage in paused or None in paused
+def _shares(touches: tuple | None, paused: list[tuple | None]) -> bool:
+    """Whether a job touching ``touches`` may touch what a paused one does (None, not
+    said, counts as everything): the module's rule, in one place."""
+    if touches is None:
+        return True
+    return any(earlier is None or any(token in earlier for token in touches) for earlier in paused)
 
 
 def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

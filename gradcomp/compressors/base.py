@@ -115,6 +115,14 @@ class Compressor:
         """Whether callers should keep a residual for this compressor."""
         return self.default_feedback if self.feedback is None else self.feedback
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a call reads and writes what is kept under its tensor's key between
+        calls (a residual; PowerSGD's warm start): two calls under one key must then run
+        as if one after the other. Random streams keep nothing: they follow from the
+        seed, the key and the step."""
+        return self.needs_feedback
+
     def settings(self) -> dict:
         """Every option that changes the bytes on the wire; ranks must agree on it."""
         options = {name: getattr(self, name) for name in _option_names(type(self))}

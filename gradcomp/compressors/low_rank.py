@@ -249,6 +249,10 @@ class PowerSGD(Compressor):
             raise ValueError(f"min_compression must be >= 1, got {min_compression!r}")
         self.min_compression = float(min_compression)
 
+    @property
+    def keeps_state(self) -> bool:
+        return self.needs_feedback or self.warm_start  # the warm start is kept without feedback too
+
     def factorization(self, shapes) -> Factorization:
         """How tensors of ``shapes`` (laid end to end) are sent."""
         return factorization(tuple(tuple(s) for s in shapes), self.rank, self.min_compression)

@@ -59,7 +59,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if native and auto.native(index, buffer.numel(), step, state.sent_as(index)):
         return _reduce_natively(state, q, buffer, index, step, last, timed)
     steps = functools.partial(state.reduce, buffer, index, layout, step, last, q)
-    future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}")
+    # What the bucket keeps between steps, under its index (Job.state's token, written out:
+    # a call a bucket less): another bucket's job may start while this one is in flight.
+    kept = ((state.feedback, index),)
+    future = q.submit(steps, buffer.device, writes=buffer, name=f"gradcomp.bucket {index}", state=kept)
     if last:
         future = _step_end(state, q, buffer, measure, future)
     return future.then(_value if timed is None else functools.partial(_done, timed, None))
