@@ -112,6 +112,21 @@ class WorkerStreams:
             yield
 
 
+def keep_for_current_stream(tensor: torch.Tensor) -> None:
+    """Mark ``tensor``, allocated on another stream, as used by the current stream.
+
+    The caching allocator hands a freed block to new allocations on the stream that
+    allocated it at once, without waiting for other streams' work on it; after
+    ``record_stream`` it first waits for the work queued on the recording stream up
+    to the free (c10's ``CUDACachingAllocator``: ``recordStream``, ``insert_events``).
+    FSDP2 allocates a unit's reduce-scatter output on its reduce-scatter stream and
+    calls the all-reduce hook on another, and keeps the output alive only for its
+    native HSDP (``AllReduceState``): a hook that reads it must record it itself.
+    No-op without streams."""
+    if uses_streams(tensor.device):
+        tensor.record_stream(cuda.current_stream(tensor.device))
+
+
 def current_stream_id(device: torch.device) -> int | None:
     """An id of the current stream of ``device`` (None without streams): work
     cached on one stream must not be read on another before it is done."""

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-from gradcomp import planner
+from gradcomp import planner, streams
 from gradcomp.collectives import as_chooser, verify_settings
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.reduce_scatter import check_reduce_scatter_compressor
@@ -148,6 +148,10 @@ class ReplicateHook:
 
     def __call__(self, output: torch.Tensor) -> None:
         state, unit = self.state, self.unit
+        # FSDP allocated ``output`` on its reduce-scatter stream and frees it (into that
+        # stream's pool) once it has cast or accumulated it, whatever this stream still
+        # has queued on it: the next unit's reduce-scatter would overwrite it.
+        streams.keep_for_current_stream(output)
         held = state.partial.get(unit)
         if not self.param_group.all_reduce_grads:
             if held is None:
@@ -158,6 +162,7 @@ class ReplicateHook:
             return
         if held is not None:
             output += held
+            streams.keep_for_current_stream(held)  # load_state_dict made it on another stream
             del state.partial[unit]
         # FSDP divides by the shard group's size (AVG); a divide factor the user sets is the whole
         # world's, applied in the reduce-scatter (PREMUL_SUM), and the hook must only sum.
