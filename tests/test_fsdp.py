@@ -8,6 +8,7 @@ against the full-batch gradient of an unsharded copy of the model, computed on e
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -474,3 +475,20 @@ def _parameter_gather(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_parameter_gather_gives_every_rank_the_same_weights():
     run_ranks(_parameter_gather, 4)
+
+
+def _no_deprecated_calls(rank: int, world: int) -> None:
+    # torch 2.13 warns at every call of all_gather_into_tensor and reduce_scatter_tensor.
+    warnings.simplefilter("error", FutureWarning)
+    shard_mesh, _ = _meshes(world, hsdp=False)
+    model = _sharded(shard_mesh)
+    state = gradcomp.fsdp.register(model, "int8", parameters="int8", warmup_steps=1)
+    for step in range(2):  # a dense warm-up step, then a compressed one
+        x, y = _batches(step, world)[rank]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert {how.split()[0] for how in state.stats[0].compressors.values()} == {"none"}
+    assert {how.split()[0] for how in state.stats[1].compressors.values()} == {"int8"}
+
+
+def test_fsdp_paths_call_no_deprecated_collective():
+    run_ranks(_no_deprecated_calls, 2)

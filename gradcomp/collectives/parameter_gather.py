@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives import c10d
 from gradcomp.collectives.reduce_scatter import padded_row
 from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, exchange
 from gradcomp.compressors import Compressor, Context, mix_seed
@@ -45,7 +46,7 @@ def parameter_gather(
         compressor.compress_rows(flat, row, sent, Context(None, 0, mix_seed(key, 1), rank))
     gathered = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
     with exchange():
-        dist.all_gather_into_tensor(gathered.view(-1), sent.view(-1), group=group)
+        c10d.all_gather_single(gathered.view(-1), sent.view(-1), group=group)
     stats.bytes_sent = (world - 1) * width
     with Timer(stats):
         if row == shard:

@@ -13,6 +13,7 @@ from gradcomp.collectives import (
     Chooser,
     Job,
     ReduceStats,
+    c10d,
     check_algorithm,
     check_node_size,
     hierarchy_for,
@@ -199,7 +200,7 @@ class FSDPState:
         world = shard_group.world_size
         divisor, scale = _divisors(op, world, factor)
         if self.step < self.options.warmup_steps or input.numel() < self.options.min_numel:
-            dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group)
+            c10d.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
             if divisor != 1:
                 output.div_(divisor)
             nbytes = input.numel() * input.element_size()
@@ -251,7 +252,7 @@ class FSDPState:
         """FSDP's all-gather of unit ``unit``'s parameters, compressed (dense in the warm-up).
         Its bytes count in the step whose backward pass comes next."""
         if self.step < self.options.warmup_steps:
-            dist.all_gather_into_tensor(output, input, group=group)
+            c10d.all_gather_single(output, input, group=group)
             world = dist.get_world_size(group)
             nbytes = (world - 1) * input.numel() * input.element_size()
             stats, how = ReduceStats(nbytes, nbytes), "none parameter_gather"

@@ -20,6 +20,7 @@ from gradcomp.collectives import (
     Job,
     ReduceStats,
     allgather_segments,
+    c10d,
     default_algorithm,
     drive,
     ring_all_reduce_bytes,
@@ -246,8 +247,7 @@ def _round_trip(message: torch.Tensor, rank: int, peers: list[int], group) -> No
 
 def _collective_once(name: str, output: torch.Tensor, source: torch.Tensor, group) -> None:
     if name == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, source, group=group)
+        c10d.all_gather_single(output, source, group=group)
     else:
         dist.all_to_all_single(output, source, group=group)
     _synchronize(output)
