@@ -368,6 +368,13 @@ def _refusals(rank: int, world: int) -> None:
         gradcomp.fsdp.register(model, "int8", parameters="topk")
     with pytest.raises(ValueError, match="beside a replicate_group"):
         gradcomp.fsdp.register(model, "int8", reduce_scatter="bf16")
+    # A unit FSDP all-gathers in two dtypes (as bytes): refused at register, not at its first forward.
+    mixed = _net()
+    mixed[0].bias.data = mixed[0].bias.data.double()
+    for layer in (mixed[0], mixed):
+        fully_shard(layer, mesh=shard_mesh)
+    with pytest.raises(ValueError, match=r"FSDP unit '0' all-gathers its parameters in float32, float64"):
+        gradcomp.fsdp.register(mixed, "bf16", parameters="int8")
     native = _net()
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(native, mesh=mesh)

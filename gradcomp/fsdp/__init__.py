@@ -119,6 +119,8 @@ def register(
             "nodes: register without replicate_group (with one, the shard group is a node)"
         )
     gather = None if parameters is None else _scatter_compressor(parameters, {})
+    if gather is not None:
+        _check_gathered_dtypes(model, units)
     state = FSDPState(replicate, scatter, replicate_group, fsdp_options, gather)
     device = _device_of(model)
     world = InlineGroup(None)
@@ -239,6 +241,27 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[FSDPModule, object]]:
             f"got {type(model).__name__}"
         )
     return units
+
+
+def _check_gathered_dtypes(model: torch.nn.Module, units) -> None:
+    """``ValueError`` for a unit whose parameters FSDP would all-gather in several dtypes:
+    it gathers them as bytes then, which no compressor can encode."""
+    names = {id(module): name for name, module in model.named_modules()}
+    for module, param_group in units:
+        # FSDPParam.init_dtype_attrs, at FSDP's lazy init: the policy's param_dtype for
+        # floating parameters where it is set, else the parameter's own dtype.
+        cast = param_group.mp_policy.param_dtype
+        dtypes = {
+            cast if cast is not None and p.sharded_param.dtype.is_floating_point else p.sharded_param.dtype
+            for p in param_group.fsdp_params
+        }
+        if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+            found = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            raise ValueError(
+                f"FSDP unit {names[id(module)] or '(root)'!r} all-gathers its parameters in {found}: "
+                "parameters= compresses one floating dtype a unit. Give fully_shard a "
+                "MixedPrecisionPolicy(param_dtype=...) or shard the parameters of other dtypes apart"
+            )
 
 
 def _scatter_compressor(compressor, options: dict) -> Compressor:
