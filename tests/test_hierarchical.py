@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from test_collectives import DTYPE_SLACK, ERROR_BOUND
 from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
-from gradcomp.collectives import chunk_bounds, group_timeout, hierarchical, key_of, queue_for, scale
+from gradcomp.collectives import c10d, chunk_bounds, group_timeout, hierarchical, key_of, queue_for, scale
 from gradcomp.compressors import mix_seed
 
 pytestmark = pytest.mark.slow  # every test spawns ranks
@@ -279,3 +280,37 @@ def test_ddp_hook_with_hierarchical_trains_like_flat():
     assert losses["dense"] < 0.5, losses  # it learned (from ln 4 = 1.39)
     assert abs(losses["hierarchical"] - losses["dense"]) <= 0.01 + 0.05 * losses["dense"], losses
     assert abs(losses["hierarchical"] - losses["flat"]) <= 0.01 + 0.05 * losses["flat"], losses
+
+
+def _interleaved_hosts(rank: int, world_size: int) -> None:
+    # Nodes by host name, their ranks interleaved: host A holds ranks 0 and 3, host B 1
+    # and 2. Local rank 1's ranks between nodes are 3 (node A, the first) and 2: torch's
+    # group of them is in rank order, the other way round.
+    from gradcomp.collectives.reduce_scatter import hierarchical_reduce_scatter
+
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    socket.gethostname = lambda: "host-" + "ABBA"[rank]
+    q = queue_for(None)
+    hierarchy = gradcomp.collectives.hierarchy_for(q, None)
+    assert hierarchy.source == "host names" and hierarchy.nodes == [[0, 3], [1, 2]]
+    # The reduce-scatter: every rank's shard against torch's (fp32 sums of four values).
+    shard = 1000
+    rows = _input(rank, world_size * shard, torch.float32)
+    expected = torch.empty(shard)
+    c10d.reduce_scatter_single(expected, rows.clone())
+    output = torch.empty(shard)
+    none = gradcomp.get_compressor("none")
+    hierarchical_reduce_scatter(output, rows.clone(), none, hierarchy, divisor=1)
+    torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
+    # The all-reduce, whose algorithms between nodes own chunks by the group's rank.
+    for inter_algorithm in ("allgather", "two_phase"):
+        x = _input(rank, 5000, torch.float32)
+        exact = torch.stack(gather(x)).mean(0)
+        gradcomp.all_reduce(x, "int8", algorithm="hierarchical", inter_algorithm=inter_algorithm)
+        assert same_on_all_ranks(x)
+        relative = ((x - exact).norm() / exact.norm()).item()
+        assert relative < ERROR_BOUND["int8"], (inter_algorithm, relative)
+
+
+def test_nodes_by_host_name_with_interleaved_ranks_reduce_to_the_right_ranks():
+    run_ranks(_interleaved_hosts, 4)

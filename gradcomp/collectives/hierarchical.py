@@ -169,10 +169,15 @@ def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
     inter_ranks = [ranks[node[local]] for node in layout]
     intra = new_group_like(q.group, intra_ranks) if len(intra_ranks) > 1 else None
     inter = new_group_like(q.group, inter_ranks) if len(inter_ranks) > 1 else None
+    # torch orders a group's ranks by global rank. A node's ranks are in rank order, so
+    # the node's group is in node order; the ranks between nodes need not be (nodes by
+    # host name with interleaved ranks: host A ranks 0 and 3, host B 1 and 2): place in
+    # that group and node differ there.
+    order = sorted(range(len(layout)), key=lambda node: inter_ranks[node])
     one_host = len({views[r]["host"] for r in layout[here]}) == 1
-    return Hierarchy(
-        layout, source, Level(intra, local, len(intra_ranks)), Level(inter, here, len(layout)), one_host
-    )
+    intra_level = Level(intra, local, len(intra_ranks))
+    inter_level = Level(inter, order.index(here), len(layout))
+    return Hierarchy(layout, source, intra_level, inter_level, one_host, inter_nodes=order)
 
 
 def hierarchical(

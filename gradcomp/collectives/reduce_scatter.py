@@ -145,6 +145,9 @@ def hierarchical_reduce_scatter(
         return stats
     between = output if output.dtype == torch.float32 else torch.empty(shard, device=output.device)
     options = {"divisor": divisor, "residual": residual, "step": step, "key": key}
+    order = hierarchy.inter_nodes
+    if order is not None and order != sorted(order):  # row r goes to the group's rank r
+        partial = partial[torch.tensor(order, device=partial.device)]
     inner = compressed_reduce_scatter(between, partial.view(-1), compressor, inter.group, **options)
     if between is not output:
         output.copy_(between)
