@@ -17,7 +17,14 @@
 #              thread on its stream; all_reduce results (sync, Work.wait(),
 #              get_future().wait()) and CompressedAdam's read on the caller's
 #              stream at once and after a synchronize; FSDP2 with gradcomp's
-#              comms inline on FSDP's streams (bench/gpu_worker.py)
+#              comms inline on FSDP's streams, the hook's input kept while its
+#              stream is held back; no host sync in any path's steady state
+#              (bench/gpu_worker.py)
+#   ranks      2 and 4 processes sharing the GPU over Gloo on CUDA tensors: the
+#              DDP hook, FSDP2's paths, CompressedAdam and DiLoCo, replicas
+#              agreeing, the default backends against the torch backend, within
+#              bounds of dense; a collective Gloo cannot run there is reported
+#              as not covered (bench/gpu_ranks.py)
 #   overlap    the DDP hook's work against a backward pass of 10 ms or more,
 #              25 MB buckets, from a profile: its streams and the fraction of
 #              its time overlapping backward kernels (bench/gpu_ddp.py)
@@ -36,17 +43,31 @@
 #
 # What comes back (OUTPUT_DIR): gpu_check.txt (versions and one line per
 # section), gpu_check.log (every section's output), gpu_check.json (worker,
-# overlap, compare), kernels-*.{csv,json}, parity.xml (JUnit), and
+# overlap, compare, ranks), kernels-*.{csv,json}, parity.xml (JUnit), and
 # gpu_check-files.tar.gz (the overlap profile's Chrome trace, the host cost's
 # files).
 #
 # Usage: bash bench/gpu_check.sh [OUTPUT_DIR]            on the GPU machine ($OUT there)
 #        bash bench/gpu_check.sh --dry-run [OUTPUT_DIR]  on a CPU machine: CPU tensors, Gloo,
 #                                                        tiny sizes, under 3 minutes
-# Needs torch with CUDA, triton, cupy, pytest with xdist and timeout; installs nothing.
+#        bash bench/gpu_check.sh --help                  this text
+# Needs torch with CUDA, triton, cupy and pytest; installs nothing. pytest-xdist and
+# pytest-timeout, where present, run the parity section on 8 processes and end a hung
+# test; the dry run needs neither (the README's set-up installs neither).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
+
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+case "${1:-}" in
+  -*) if [ "$1" != "--dry-run" ]; then
+    echo "gpu_check.sh: unknown option $1 (--help tells the usage)" >&2
+    exit 2
+  fi ;;
+esac
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -189,6 +210,7 @@ section worker 45 1 python3 "$repo/bench/gpu_worker.py" ${dry[@]+"${dry[@]}"} --
 section overlap 45 1 python3 "$repo/bench/gpu_ddp.py" --section overlap ${dry[@]+"${dry[@]}"} --out "$out" \
   --trace "$extras/gpu_ddp-trace.json"
 section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]+"${dry[@]}"} --out "$out"
+section ranks 100 1 python3 "$repo/bench/gpu_ranks.py" ${dry[@]+"${dry[@]}"} --out "$out"
 
 # The GPU tests: the parity suite's triton and cuda cases, the backends' own
 # tests, the gpu-marked ones (auto's CUDA events), and the check that the model of
@@ -200,14 +222,22 @@ section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]
 # -v: xdist logs each test's outcome as it ends, so a run cut at its limit still tells
 # which passed; --session-timeout (pytest-timeout 2.3 and later) ends the session a little
 # before the section's limit, so that pytest writes its summary and XML itself.
-parity=(-n 8 -v)
+# pytest-xdist and pytest-timeout are used where present, and only then.
+plugins="$(python3 -m pytest --help 2>/dev/null)"
+parity=(-v)
+if grep -q -- "--numprocesses" <<<"$plugins"; then
+  parity+=(-n 8)
+fi
 left=$((deadline - SECONDS))
 parity_limit=$((left < 120 ? left : 120))
-if python3 -m pytest --help 2>/dev/null | grep -q -- "--session-timeout"; then
+if grep -q -- "--session-timeout" <<<"$plugins"; then
   parity+=(--session-timeout $((parity_limit > 40 ? parity_limit - 20 : parity_limit)))
 fi
-[ "$dry_run" -eq 0 ] || parity=(-n 2 --collect-only -q)
-section parity 120 1 python3 -m pytest "${parity[@]}" --timeout 60 -rfE --tb=short -p no:cacheprovider \
+if grep -q -- "--timeout=" <<<"$plugins"; then
+  parity+=(--timeout 60)
+fi
+[ "$dry_run" -eq 0 ] || parity=(--collect-only -q)
+section parity 120 1 python3 -m pytest "${parity[@]}" -rfE --tb=short -p no:cacheprovider \
   --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \
   tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py tests/test_subgroups.py
 

@@ -99,6 +99,22 @@ def one_rank_group(device: torch.device):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def sync_debug_errors(device: torch.device):
+    """Within: on a GPU, every call that synchronizes the host with the device raises
+    (``torch.cuda.set_sync_debug_mode("error")``, a setting of the whole process, its
+    threads included); on CPU nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def profiler_activities(device: torch.device) -> list:
     from torch.profiler import ProfilerActivity
 

@@ -28,6 +28,14 @@ Run by ``bench/gpu_check.sh`` on one GPU (``--dry-run``: CPU tensors, Gloo):
   once and after a synchronize, must agree, and lie within int8's bound of an
   unsharded copy's; then the compressed reduce-scatter itself on the one-rank
   group, rows padded (a shard not a multiple of the block), against its input.
+* **FSDP2 keeps the hook's input across streams**: FSDP2 allocates a unit's
+  reduce-scatter output on its reduce-scatter stream and calls gradcomp's hook on
+  its all-reduce stream; the same gradients bit for bit with that stream held back
+  (``torch.cuda._sleep``) before every hook call, with ``param_dtype=bf16`` and with
+  two backward passes without ``zero_grad`` (bench/gpu_worker.py,
+  :func:`fsdp_kept_across_streams`).
+* **no host syncs in steady state**: the DDP hook (int8, Top-K, random-K), FSDP2's
+  paths, CompressedAdam and DiLoCo under ``torch.cuda.set_sync_debug_mode("error")``.
 
 Writes the checks under "worker" in ``<out>/gpu_check.json``; exits 1 if one
 fails.
@@ -227,6 +235,139 @@ def fsdp(device: torch.device, width: int, entry: dict) -> None:
     entry["ok"] = at_once == after and error < 0.05 and scatter_error < 0.02 and conserved < 1e-4
 
 
+# Cycles the all-reduce stream sleeps before each hook call: tens of milliseconds, so
+# that FSDP's reduce-scatter stream runs ahead into the next units meanwhile.
+HOOK_DELAY_CYCLES = 50_000_000
+
+
+def fsdp_kept_across_streams(device: torch.device, width: int, entry: dict) -> None:
+    """FSDP2's reduce-scatter output, read by gradcomp's hook on the all-reduce stream, is
+    kept until that stream is done with it: the same gradients bit for bit with the
+    all-reduce stream held back before every hook call (``torch.cuda._sleep``), with
+    ``param_dtype=bf16`` (FSDP casts the output and frees it) and with two backward
+    passes without ``zero_grad`` (it adds the output into ``.grad`` and frees it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from gradcomp.fsdp import _param_groups
+
+    def gradients(policy, delayed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
+        mesh = init_device_mesh(device.type, (1,))
+        for layer in (*model, model):
+            fully_shard(layer, mesh=mesh, **({} if policy is None else {"mp_policy": policy}))
+        gradcomp.fsdp.register(model, "int8", replicate_group=torch.distributed.group.WORLD)
+        for unit in model.modules():
+            if not isinstance(unit, FSDPModule) or not delayed:
+                continue
+            for group in _param_groups(unit._get_fsdp_state()):
+
+                def late(output, _hook=group._all_reduce_hook):
+                    if device.type == "cuda":
+                        torch.cuda._sleep(HOOK_DELAY_CYCLES)  # on the all-reduce stream, current here
+                    _hook(output)
+
+                group._all_reduce_hook = late
+        x = random(8 * width, device, seed=7).view(8, width)
+        for _ in range(2):  # no zero_grad: the second pass adds into .grad
+            model(x).square().mean().backward()
+        gpu_setup.synchronize(device)
+        return torch.cat([p.grad.to_local().reshape(-1).float() for p in model.parameters()])
+
+    policies = {"fp32": None, "param_dtype=bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+    same = {}
+    for name, policy in policies.items():
+        on_time, late = gradients(policy, False), gradients(policy, True)
+        same[name] = torch.equal(on_time, late)
+        entry[f"{name}: max |difference|"] = (on_time - late).abs().max().item()
+    entry.update(bit_identical=same, ok=all(same.values()))
+
+
+def no_host_syncs(device: torch.device, width: int, entry: dict) -> None:
+    """Steady-state steps of every path on one rank under ``torch.cuda.set_sync_debug_mode
+    ("error")``: a synchronizing call anywhere in them (the worker thread's included)
+    raises. The DDP hook (int8, Top-K, random-K), FSDP2's paths (custom HSDP, the
+    compressed reduce-scatter, the parameter all-gather), CompressedAdam and DiLoCo; each
+    warmed up first (agreement checks, DDP's bucket rebuild, FSDP's lazy init). On CPU
+    (the dry run) the same steps run without the mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = torch.distributed.group.WORLD
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
+
+    def ddp(compressor: str):
+        net = torch.nn.parallel.DistributedDataParallel(model(), bucket_cap_mb=0.25)
+        gradcomp.ddp.register(net, compressor, min_numel=0)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def fsdp(**options):
+        net = model()
+        mesh = init_device_mesh(device.type, (1,))
+        for layer in (*net, net):
+            fully_shard(layer, mesh=mesh)
+        gradcomp.fsdp.register(net, "int8", **options)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def adam():
+        net = model()
+        return net, gradcomp.optim.CompressedAdam(
+            net.parameters(), lr=1e-3, compressor="int8", warmup_steps=1
+        )
+
+    paths = {
+        "DDP hook, int8": lambda: ddp("int8"),
+        "DDP hook, topk": lambda: ddp("topk"),
+        "DDP hook, randk": lambda: ddp("randk"),
+        "FSDP2 custom HSDP": lambda: fsdp(replicate_group=world),
+        "FSDP2 reduce-scatter": lambda: fsdp(residual="full"),
+        "FSDP2 parameter all-gather": lambda: fsdp(parameters="int8"),
+        "CompressedAdam": adam,
+        "DiLoCo": None,
+    }
+    x = random(8 * width, device, seed=8).view(8, width)
+    found = {}
+    for name, make in paths.items():
+        if make is None:  # DiLoCo: inner SGD steps, an outer step every second one
+            net = model()
+            inner = torch.optim.SGD(net.parameters(), lr=0.01)
+            outer = gradcomp.DiLoCo(net, inner, sync_every=2, compressor="int4")
+
+            def step(net=net, inner=inner, outer=outer):
+                net(x).square().mean().backward()
+                inner.step()
+                inner.zero_grad()
+                outer.step()
+
+        else:
+            net, optimizer = make()
+
+            def step(net=net, optimizer=optimizer):
+                optimizer.zero_grad()
+                net(x).square().mean().backward()
+                optimizer.step()
+
+        for _ in range(3):  # warm-up
+            step()
+        gpu_setup.synchronize(device)
+        try:
+            with gpu_setup.sync_debug_errors(device):
+                for _ in range(2):
+                    step()
+            found[name] = None
+        except RuntimeError as error:
+            found[name] = str(error).strip().splitlines()[0][:300]
+        finally:
+            gpu_setup.synchronize(device)
+            gradcomp.collectives.release_queues()
+    entry.update(synchronizing={name: why for name, why in found.items() if why}, paths=list(found))
+    entry["ok"] = not any(found.values())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gpu_setup.add_options(parser)
@@ -247,6 +388,10 @@ def main(argv=None) -> int:
             compressed_adam(device, sizes["adam"], entry)
         with report.check("FSDP2") as entry:
             fsdp(device, 256 if args.dry_run else 4096, entry)
+        with report.check("FSDP2 keeps the hook's input across streams") as entry:
+            fsdp_kept_across_streams(device, 256 if args.dry_run else 4096, entry)
+        with report.check("no host syncs in steady state") as entry:
+            no_host_syncs(device, 64 if args.dry_run else 1024, entry)
     return report.finish()
 
 

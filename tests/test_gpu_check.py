@@ -28,13 +28,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 SCRIPT = os.path.join(BENCH, "gpu_check.sh")
-SECTIONS = ("versions", "kernels", "worker", "overlap", "compare", "parity", "host cost", "memcheck")
+SECTIONS = ("versions", "kernels", "worker", "overlap", "compare", "ranks", "parity", "host cost", "memcheck")
 # What the device runner brings back of the output folder.
 MOST_FILES = 8
 sys.path.insert(0, BENCH)
 
 
-@pytest.mark.parametrize("module", ["gpu_setup", "gpu_worker", "gpu_ddp", "gpu_memcheck"])
+@pytest.mark.parametrize("module", ["gpu_setup", "gpu_worker", "gpu_ddp", "gpu_ranks", "gpu_memcheck"])
 def test_every_section_script_imports(module):
     # Imports sit at the top of each script: a name that moved fails here, not on the GPU
     # (kernels.py: tests/test_bench_kernels.py).
@@ -52,6 +52,18 @@ def test_memcheck_of_a_backend_that_cannot_run_fails():
 def test_the_script_parses():
     result = subprocess.run(["bash", "-n", SCRIPT], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
+
+
+def test_help_prints_the_usage_and_runs_nothing(tmp_path):
+    for flag in ("--help", "-h"):
+        result = subprocess.run(
+            ["bash", SCRIPT, flag], capture_output=True, text=True, timeout=30, cwd=tmp_path
+        )
+        assert result.returncode == 0, result.stderr
+        assert "Usage: bash bench/gpu_check.sh [OUTPUT_DIR]" in result.stdout
+        assert "--dry-run" in result.stdout and not list(tmp_path.iterdir())
+    result = subprocess.run(["bash", SCRIPT, "--dryrun"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "unknown option --dryrun" in result.stderr
 
 
 def _kernel(ts: float, dur: float, stream: int, correlation: int, name: str = "ampere_sgemm") -> dict:
@@ -124,9 +136,15 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path):
         p.name for p in files
     }
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    for section in ("worker", "ddp overlap", "ddp compare"):
+    for section in ("worker", "ddp overlap", "ddp compare", "ranks"):
         assert report[section]["ok"] and report[section]["checks"], section
         assert "CPUs" in report[section]["machine"]
+    # On CPU Gloo runs every collective: every path between ranks is covered, none skipped.
+    ranks = report["ranks"]["checks"]
+    assert len(ranks) == 2 and all(check["not covered"] == [] for check in ranks.values()), ranks
+    assert {"FSDP2 keeps the hook's input across streams", "no host syncs in steady state"} <= set(
+        report["worker"]["checks"]
+    )
     (kernels,) = tmp_path.glob("kernels-*.json")
     ops = {record["op"] for record in json.loads(kernels.read_text())["records"]}
     assert {"copy", "quantize_int8_ef", "topk_1pct_ef", "topk_1pct"} <= ops
