@@ -20,7 +20,8 @@ from .sign import (
     sign_decompress_rows,
     sign_decompress_sum,
 )
-from .sparse import fold_into_residual, gather_compensated, randk_indices, scatter_add, select_candidates
+from .sparse import fold_into_residual, gather_compensated, randk_indices, scatter_add
+from .topk import keep_largest, select_candidates
 
 
 def interpreting() -> bool:
@@ -41,6 +42,7 @@ __all__ = [
     "gather_compensated",
     "interpreting",
     "is_available",
+    "keep_largest",
     "pack_bits",
     "quantize_blockwise",
     "quantize_rows",

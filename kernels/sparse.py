@@ -1,4 +1,4 @@
-"""Kernels for random-K and Top-K selection with fused error feedback, and scatter-add.
+"""Kernels for random-K selection with fused error feedback, and scatter-add.
 
 The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
 
@@ -6,10 +6,7 @@ The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
   range), :func:`gather_compensated` (values at the picks and what sending
   them loses), :func:`fold_into_residual` (one pass: ``residual <- x + residual``,
   non-finite flags per block);
-* Top-K: :func:`select_candidates`, a counting kernel and a compaction
-  kernel (block offsets from a prefix sum: ascending, deterministic output)
-  that pick ``|y| >= threshold`` into a buffer of fixed capacity and take
-  the candidates out of the residual in the same pass.
+* Top-K's kernels are in :mod:`.topk`.
 """
 
 import torch
@@ -101,70 +98,6 @@ def _fold_kernel(x_ptr, residual_ptr, flags_ptr, numel, HAS_RESIDUAL: tl.constex
     tl.store(flags_ptr + pid, tl.max((~is_finite(y)).to(tl.int32), axis=0))
 
 
-# ----------------------------------------------------------------------------- top-K
-
-
-@triton.jit
-def _magnitude(y):
-    return tl.where(y != y, float("inf"), tl.abs(y))
-
-
-@triton.jit
-def _count_kernel(
-    x_ptr,
-    residual_ptr,
-    threshold_ptr,
-    counts_ptr,
-    numel,
-    blocks,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Per block, how many magnitudes lie above the threshold (``counts[pid]``)
-    and how many equal it (``counts[blocks + pid]``)."""
-    pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
-    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
-    magnitude = _magnitude(y)
-    threshold = tl.load(threshold_ptr)
-    tl.store(counts_ptr + pid, tl.sum(((magnitude > threshold) & mask).to(tl.int64), axis=0))
-    tl.store(counts_ptr + blocks + pid, tl.sum(((magnitude == threshold) & mask).to(tl.int64), axis=0))
-
-
-@triton.jit
-def _compact_kernel(
-    x_ptr,
-    residual_ptr,
-    threshold_ptr,
-    starts_ptr,
-    values_ptr,
-    indices_ptr,
-    numel,
-    blocks,
-    capacity,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
-    y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
-    magnitude = _magnitude(y)
-    threshold = tl.load(threshold_ptr)
-    above = ((magnitude > threshold) & mask).to(tl.int64)
-    equal = ((magnitude == threshold) & mask).to(tl.int64)
-    # Taken: the first `capacity` above the threshold, then as many equal to it
-    # as there is room for, each in index order; written in index order.
-    above_total = tl.load(starts_ptr + blocks)
-    room = capacity - tl.minimum(above_total, capacity)
-    above_before = tl.load(starts_ptr + pid) + tl.cumsum(above, axis=0) - above
-    equal_before = tl.load(starts_ptr + blocks + pid) - above_total + tl.cumsum(equal, axis=0) - equal
-    taken = ((above > 0) & (above_before < capacity)) | ((equal > 0) & (equal_before < room))
-    position = tl.minimum(above_before, capacity) + tl.minimum(equal_before, room)
-    tl.store(values_ptr + position, y, mask=taken)
-    tl.store(indices_ptr + position, offsets, mask=taken)
-    if HAS_RESIDUAL:
-        # Candidates leave the residual; the caller puts back what it does not send.
-        tl.store(residual_ptr + offsets, tl.where(taken, 0.0, finite_or_zero(y)), mask=mask)
-
-
 def randk_indices(numel: int, k: int, half_bits: int, keys: list[int], device) -> torch.Tensor:
     """The first ``k`` outputs of the keyed permutation of ``[0, numel)``, ascending (int64)."""
     chosen = torch.empty(k, dtype=torch.int64, device=device)
@@ -214,35 +147,6 @@ def fold_into_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.
             **EXACT,
         )
     return flags
-
-
-def select_candidates(
-    x, residual, threshold: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(values fp32, indices int64, count)``: the candidates whose
-    ``|x + residual|`` (NaN as inf) reaches ``threshold``, at most ``capacity``
-    of them (those above it first, then those equal to it, each in index
-    order), written in index order; ``count`` (a 0-d int64 tensor) is how many
-    reach it. Slots past the count hold garbage. Taken candidates leave the
-    residual; the rest of it becomes ``finite(x + residual)``. No host sync:
-    every size is known in advance."""
-    numel = x.numel()
-    blocks = triton.cdiv(numel, ELEMENTS_PER_PROGRAM)
-    has_residual = residual is not None
-    source = residual if has_residual else x
-    counts = torch.empty(2 * blocks, dtype=torch.int64, device=x.device)
-    options = {"HAS_RESIDUAL": has_residual, "BLOCK": ELEMENTS_PER_PROGRAM}
-    _count_kernel[(blocks,)](x, source, threshold, counts, numel, blocks, **options)
-    # One prefix sum over (above per block, equal per block): where each
-    # block's candidates start among those above, and among those equal
-    # after all those above.
-    ends = torch.cumsum(counts, 0)
-    values = torch.empty(capacity, dtype=torch.float32, device=x.device)
-    indices = torch.empty(capacity, dtype=torch.int64, device=x.device)
-    _compact_kernel[(blocks,)](
-        x, source, threshold, ends - counts, values, indices, numel, blocks, capacity, **options, **EXACT
-    )
-    return values, indices, ends[-1]
 
 
 # ----------------------------------------------------------------------------- scatter-add

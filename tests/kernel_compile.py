@@ -371,6 +371,11 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
                     tensor(4097, x_name), None if r_name is None else tensor(4097, r_name)
                 ),
             )
+    for k in (1, 41):  # k: an integer the first digit's kernel specialises on when 1
+        add(
+            f"keep_largest k={k}",
+            lambda k=k: kernels.keep_largest(tensor(62), torch.zeros((), dtype=torch.int64), k),
+        )
     for out_name, index_name, value_name in itertools.product(FLOATS, ("int32", "int64"), FLOATS):
         indices = torch.zeros(41, dtype=getattr(torch, index_name))
         add(

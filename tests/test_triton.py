@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from utils import assert_same, backend_device, seeded_randn
 
 pytest.importorskip("triton")
@@ -102,3 +103,46 @@ def test_collectives_and_ddp_hook_on_the_cpu_and_triton_backends_agree_with_the_
     from utils import run_ranks
 
     run_ranks(_backends_agree_on_ranks, 2, timeout=600)
+
+
+class _FullSizeOps(TorchDispatchMode):
+    """Records the aten ops (not views) that take a tensor of at least ``numel`` elements,
+    outside the kernels (Triton's interpreter copies their arguments)."""
+
+    def __init__(self, numel: int, counts):
+        super().__init__()
+        self.numel, self.counts, self.ops = numel, counts, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        outside = self.counts.counting()
+        if outside and not func.is_view and any(t.numel() >= self.numel for t in tensors):
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_topk_passes_once_over_the_tensor_and_launches_as_many_kernels_at_any_size():
+    """The sampling Top-K (kernels/topk.py): of its kernels only the mark kernel reads the
+    whole tensor (the gather reads the candidates' lanes), every aten op that takes a
+    tensor of its size gathers the sample or adds back at the candidates, nothing
+    waits on the device, and the launches do not grow with the size."""
+    from counting import counted
+
+    launches = []
+    for numel in (200_000, 300_001):  # past the sample (80 k elements at k = 1%)
+        k = numel // 100
+        x, residual = randn(numel, seed=30), randn(numel, seed=31) * 0.1
+        with counted() as counts, _FullSizeOps(numel, counts) as full:
+            counts.active = True
+            triton_ops.topk_select(x, k, residual, seed=3)
+        assert not counts.syncs, counts.summary()
+        kernels = {name: n for name, n in counts.launches.items() if name.startswith("triton ")}
+        assert kernels == {
+            "triton _mark_candidates_kernel": 1,
+            "triton _gather_candidates_kernel": 1,
+            "triton _key_histogram_kernel": 3,
+            "triton _choose_digit_kernel": 3,
+        }, counts.summary()
+        assert set(full.ops) <= {"aten.index_select", "aten.index_add_"}, full.ops
+        launches.append(counts.total_launches)
+    assert launches[0] == launches[1], launches

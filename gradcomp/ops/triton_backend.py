@@ -61,7 +61,8 @@ def topk_select(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gradcomp.ops.reference.topk_select` with the sampling path on Triton
     kernels and fixed-size device ops: no host sync (``exact=True`` stays on
-    ``torch.topk``)."""
+    ``torch.topk``). One pass over the tensor (:mod:`gradcomp.kernels.topk` counts
+    the bytes); the rest works on the sample and the ~1.25 k candidates."""
     x = x.reshape(-1)
     numel = x.numel()
     residual = residual_view(residual)
@@ -70,12 +71,12 @@ def topk_select(
     capacity = reference.candidate_capacity(k)
     threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
     values, indices, count = kernels.select_candidates(x, residual, threshold, capacity)
-    # Slots past the count are padding: magnitude -1 ranks them last, and
-    # they carry index 0 and value 0.
+    kept = kernels.keep_largest(values, count, k)
+    # Slots past the count are padding: index 0 and value 0, kept last where fewer than
+    # k candidates reached the threshold.
     filled = torch.arange(capacity, device=x.device) < count
     values = torch.where(filled, values, 0.0)
     indices = torch.where(filled, indices, 0)
-    kept = reference.keep_largest(torch.where(filled, reference.selection_magnitude(values), -1.0), k)
     sent = values.to(value_dtype)
     if residual is not None:
         # The residual is 0 at every taken candidate: add back what is not sent.
