@@ -8,12 +8,12 @@ write, over its time) and that bandwidth as a fraction of a plain copy's,
 measured in the same run. Triton and CUDA run on CUDA tensors only here
 (Triton's CPU interpreter is for testing, not timing).
 
-A second section times Top-K selection alone on the fastest backend that
-has it (the CUDA radix select where the cuda backend runs; Triton's, or the
-cpu backend's on CPU): ``topk_select`` (exact, no residual) against
-``torch.topk(x.abs(), k)`` at 0.1%, 1% and 10% of 16M..256M fp32 elements
-on a GPU (1M on CPU), and both against one device-to-device copy of the
-input.
+A second section times Top-K on every backend that has it (on a GPU
+Triton's one-pass sampling path, which dispatch picks, and the CUDA radix
+select; on CPU the cpu backend): the fused op (selection, values, indices,
+residual update) against ``torch.topk(x.abs(), k)`` at 0.1%, 1% and 10% of
+16M..256M fp32 elements on a GPU (1M on CPU), and both against one
+device-to-device copy of the input.
 
 Backends are called directly, without the op boundary's checks, so that the
 timings are the kernels'; the first call of each op is checked to pass the
@@ -63,9 +63,10 @@ TARGETS = {
     "sign_ef": (0.8, 3.0),
     "dequantize_int8_accumulate": (0.8, None),
 }
-# CUDA Top-K at 1% of 64M: at least this many times faster than torch.topk(x.abs(), k),
-# and at most this many times a copy's time.
-TOPK_TARGET = {"ratio": 0.01, "speedup": 5.0, "times_copy": 4.0}
+# The fused Top-K at 1% on the backend dispatch picks, at 64M and 256M elements: at least
+# this fraction of a copy's bandwidth (the op section) and this many times faster than
+# torch.topk(x.abs(), k) (the Top-K section).
+TOPK_TARGET = {"ratio": 0.01, "fraction_of_copy": 0.4, "speedup": 3.0, "sizes": (64 * 2**20, 256 * 2**20)}
 
 
 def elements(n: int) -> str:
@@ -256,27 +257,38 @@ def topk_label(ratio: float) -> str:
     return f"topk_{ratio * 100:g}pct"
 
 
-def topk_backend(backends: list[str]) -> str:
-    """The backend the Top-K section times: the fastest one here that has ``topk_select``."""
-    return next(name for name in ("cuda", "triton", "cpu", "torch") if name in backends)
+def topk_backends(backends: list[str]) -> list[str]:
+    """The backends the Top-K section times, dispatch's choice first: every one here that
+    has ``topk_select``, but the torch reference where another has it."""
+    having = [
+        name for name in ops.preference("topk_select") if name in backends and provides(name, "topk_select")
+    ]
+    return [name for name in having if name != "torch"] or having
 
 
-def measure_topk(n: int, device: torch.device, backend: str, ratios: list[float], args) -> list[dict]:
-    """``backend``'s Top-K (exact, no residual) and ``torch.topk(x.abs(), k)`` at ``n``
-    fp32 elements, each against one device-to-device copy of the input."""
+def measure_topk(n: int, device: torch.device, backends: list[str], ratios: list[float], args) -> list[dict]:
+    """Each backend's fused Top-K (with a residual) and ``torch.topk(x.abs(), k)`` at
+    ``n`` fp32 elements, each against one device-to-device copy of the input."""
     x = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(0))
+    residual = torch.zeros(n, device=device)
     copy_target = torch.empty_like(x)
     copy_seconds = timed(lambda: copy_target.copy_(x), device, args.warmup, args.iters)
-    select = lookup(backend)("topk_select")
     index_dtype = reference.index_dtype_for(n)
     records = []
     for ratio in ratios:
         k = max(1, round(ratio * n))
         baseline = timed(lambda k=k: torch.topk(x.abs(), k, sorted=False), device, args.warmup, args.iters)
-        selected = timed(
-            lambda k=k: select(x, k, None, True, index_dtype=index_dtype), device, args.warmup, args.iters
-        )
-        for name, seconds in (("torch.topk", baseline), (backend, selected)):
+        timings = [("torch.topk", baseline)]
+        for backend in backends:
+            select = lookup(backend)("topk_select")
+            seconds = timed(
+                lambda k=k, select=select: select(x, k, residual, False, seed=5, index_dtype=index_dtype),
+                device,
+                args.warmup,
+                args.iters,
+            )
+            timings.append((backend, seconds))
+        for name, seconds in timings:
             records.append(
                 {
                     "op": topk_label(ratio),
@@ -310,7 +322,7 @@ def run(args) -> Iterator[list[dict]]:
             torch.cuda.empty_cache()
     for position, n in enumerate(topk_sizes, start=len(sizes)):
         progress.update(position, f"Top-K at {elements(n)} elements")
-        yield measure_topk(n, device, topk_backend(backends), ratios, args)
+        yield measure_topk(n, device, topk_backends(backends), ratios, args)
         if on_gpu:
             torch.cuda.empty_cache()
     progress.close()
@@ -318,21 +330,25 @@ def run(args) -> Iterator[list[dict]]:
 
 def check_targets(records: list[dict]) -> list[str]:
     lines = []
-    for record in records:
-        if (
-            record["op"] == topk_label(TOPK_TARGET["ratio"])
-            and record["backend"] == "cuda"
-            and record["elements"] == TARGET_SIZE
-        ):
-            met = (
-                record["speedup_vs_torch_topk"] >= TOPK_TARGET["speedup"]
-                and record["times_copy"] <= TOPK_TARGET["times_copy"]
-            )
-            lines.append(
-                f"cuda topk at 1% of 64M: {record['speedup_vs_torch_topk']:.1f}x torch.topk "
-                f"(target {TOPK_TARGET['speedup']:g}x), {record['times_copy']:.1f}x a copy's time "
-                f"(target at most {TOPK_TARGET['times_copy']:g}x)" + (" -- met" if met else " -- MISSED")
-            )
+    label = topk_label(TOPK_TARGET["ratio"])
+    for n in TOPK_TARGET["sizes"]:
+        fused = [r for r in records if r["op"] == "topk_1pct_ef" and r["elements"] == n and "gb_per_s" in r]
+        alone = [
+            r for r in records if r["op"] == label and r["elements"] == n and r["backend"] != "torch.topk"
+        ]
+        if not fused or not alone:
+            continue
+        chosen = alone[0]["backend"]  # dispatch's choice comes first
+        fraction = next((r["fraction_of_copy"] for r in fused if r["backend"] == chosen), None)
+        speedup = alone[0]["speedup_vs_torch_topk"]
+        met = fraction is not None and fraction >= TOPK_TARGET["fraction_of_copy"]
+        met = met and speedup >= TOPK_TARGET["speedup"]
+        shown = "n/a" if fraction is None else f"{fraction:.0%}"
+        lines.append(
+            f"{chosen} fused Top-K at 1% of {elements(n)}: {shown} of copy "
+            f"(target {TOPK_TARGET['fraction_of_copy']:.0%}), {speedup:.1f}x torch.topk "
+            f"(target {TOPK_TARGET['speedup']:g}x)" + (" -- met" if met else " -- MISSED")
+        )
     for op, (fraction, speedup) in TARGETS.items():
         for record in records:
             if record["op"] == op and record["backend"] == "triton" and record["elements"] == TARGET_SIZE:
@@ -396,7 +412,7 @@ def print_tables(records: list[dict]) -> None:
         print(format_table(header, rows), flush=True)
     topk = [r for r in records if "speedup_vs_torch_topk" in r]
     if topk:
-        print("# Top-K alone: the backend's exact select vs torch.topk(x.abs(), k), fp32, no residual")
+        print("# Top-K: each backend's fused op (with a residual) vs torch.topk(x.abs(), k), fp32")
         header = ["k / n", "backend", "elements", "k", "median ms", "copy ms", "x copy", "vs torch.topk"]
         rows = [
             [

@@ -31,12 +31,46 @@ def test_a_backend_called_directly_refuses_arguments_the_op_boundary_would_compl
     assert indices.dtype == torch.int32 and values.numel() == 10
 
 
-def test_the_topk_section_runs_on_the_fastest_cpu_backend():
+def test_the_topk_section_times_every_fast_backend_dispatchs_choice_first(monkeypatch):
     args = kernels.parser().parse_args(["--iters", "1", "--warmup", "0"])
-    assert kernels.topk_backend(kernels.backends_for(torch.device("cpu"))) == "cpu"
-    records = kernels.measure_topk(4096, torch.device("cpu"), "cpu", [0.01], args)
+    assert kernels.topk_backends(kernels.backends_for(torch.device("cpu"))) == ["cpu"]
+    with monkeypatch.context() as patched:  # a GPU's backends, each with the op
+        patched.setattr(kernels, "provides", lambda backend, op: True)
+        assert kernels.topk_backends(["torch", "cuda", "triton"]) == ["triton", "cuda"]
+    records = kernels.measure_topk(4096, torch.device("cpu"), ["cpu"], [0.01], args)
     assert [r["backend"] for r in records] == ["torch.topk", "cpu"]
     assert all(r["k"] == 41 and r["median_ms"] > 0 for r in records)
+
+
+def test_the_topk_target_reads_dispatchs_choice_at_both_sizes():
+    def fused(backend, n, fraction):
+        return {
+            "op": "topk_1pct_ef",
+            "backend": backend,
+            "elements": n,
+            "gb_per_s": 1.0,
+            "fraction_of_copy": fraction,
+        }
+
+    def alone(backend, n, speedup):
+        return {"op": "topk_1pct", "backend": backend, "elements": n, "speedup_vs_torch_topk": speedup}
+
+    m64, m256 = kernels.TOPK_TARGET["sizes"]
+    records = [
+        fused("triton", m64, 0.45),
+        fused("cuda", m64, 0.2),
+        alone("torch.topk", m64, 1.0),
+        alone("triton", m64, 3.5),
+        alone("cuda", m64, 1.2),
+        fused("triton", m256, 0.3),
+        alone("torch.topk", m256, 1.0),
+        alone("triton", m256, 4.0),
+    ]
+    lines = [line for line in kernels.check_targets(records) if "Top-K" in line]
+    assert lines[0].startswith("triton fused Top-K at 1% of 64M: 45% of copy") and lines[0].endswith("met")
+    assert lines[1].startswith("triton fused Top-K at 1% of 256M: 30% of copy") and lines[1].endswith(
+        "MISSED"
+    )
 
 
 @pytest.mark.slow

@@ -856,3 +856,19 @@ def test_the_availability_of_a_backend_not_installed_is_refused(monkeypatch):
     monkeypatch.setattr(ops, "_ABSENT", set())
     with pytest.raises(RuntimeError, match="'cuda' is not installed"):
         ops.availability("cuda")
+
+
+def test_topk_dispatches_to_the_one_pass_backend_before_the_radix_select(monkeypatch):
+    # Where both run on a GPU: Triton's sampling path passes once over the tensor, the CUDA
+    # radix select four times (ops.OP_PREFERENCE); every other op takes the CUDA kernels.
+    device = torch.device("cuda", 0)
+    fakes = {name: {op: object() for op in ops.OP_NAMES} for name in ("triton", "cuda")}
+    for name, functions in fakes.items():
+        monkeypatch.setitem(ops._REGISTRY, name, (lambda device: True, functions))
+    monkeypatch.setattr(ops, "_CHOSEN", {})
+    monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
+    assert ops.implementation("topk_select", device) is fakes["triton"]["topk_select"]
+    for op in set(ops.OP_NAMES) - {"topk_select"}:
+        assert ops.implementation(op, device) is fakes["cuda"][op], op
+    monkeypatch.setenv("GRADCOMP_BACKEND", "cuda")
+    assert ops.implementation("topk_select", device) is fakes["cuda"]["topk_select"]

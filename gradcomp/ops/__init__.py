@@ -4,8 +4,8 @@ Each op has one torch reference (:mod:`gradcomp.ops.reference`, backend
 ``torch``: plain, runs anywhere) and faster implementations: ``cpu``
 (:mod:`gradcomp.ops.cpu_backend`), ``triton`` and ``cuda`` (GPU). Calling an
 op here checks its arguments once (:mod:`gradcomp.ops.checks`), then runs the
-first available backend in ``BACKEND_PREFERENCE`` that provides it for the
-tensors' device. ``GRADCOMP_BACKEND=torch|cpu|triton|cuda`` forces one
+first available backend in ``BACKEND_PREFERENCE`` (or the op's own order in
+``OP_PREFERENCE``) that provides it for the tensors' device. ``GRADCOMP_BACKEND=torch|cpu|triton|cuda`` forces one
 backend; forcing a backend that is not available, or that lacks the op,
 raises instead of silently falling back.
 
@@ -30,6 +30,11 @@ from gradcomp.ops import checks, cpu_backend, reference
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 # Fastest first; torch, the reference, is the fallback that always exists.
 BACKEND_PREFERENCE = ("cuda", "triton", "cpu", "torch")
+# Ops whose fastest backend is another: Top-K's Triton sampling path passes once over
+# the tensor (12 bytes an fp32 element with its residual, kernels/topk.py), the CUDA
+# radix select four times (36: three histogram passes and a compaction, csrc/topk.cu);
+# the radix select stays one GRADCOMP_BACKEND=cuda away, and bench/kernels.py times both.
+OP_PREFERENCE = {"topk_select": ("triton", "cuda", "cpu", "torch")}
 
 OP_NAMES = (
     "quantize_blockwise",
@@ -177,7 +182,7 @@ def _resolve(op: str, device: torch.device, forced: str | None) -> Callable:
                 + (f": {reason}" if reason else "")
             )
         return functions[op]
-    for name in BACKEND_PREFERENCE:
+    for name in preference(op):
         if device.type not in _AUTOMATIC_DEVICES.get(name, ()):
             continue
         _load_optional(name)
@@ -185,6 +190,11 @@ def _resolve(op: str, device: torch.device, forced: str | None) -> Callable:
         if entry is not None and op in entry[1] and entry[0](device):
             return entry[1][op]
     raise AssertionError("unreachable: the torch backend provides every op")
+
+
+def preference(op: str) -> tuple[str, ...]:
+    """The backends ``op`` runs on when none is forced, the first available first."""
+    return OP_PREFERENCE.get(op, BACKEND_PREFERENCE)
 
 
 def functions(backend: str) -> dict[str, Callable]:
