@@ -12,7 +12,7 @@
 #   versions   torch, CUDA, NCCL, Triton, CuPy, the driver, the GPU
 #   kernels    every op per backend at 64M and 256M elements (past the 60 MB
 #              L2) against a device-to-device copy; Top-K at 1% against
-#              torch.topk (bench/kernels.py)
+#              torch.topk (bench/kernel_speed.py)
 #   worker     one rank over NCCL: a collective issued from gradcomp's worker
 #              thread on its stream; all_reduce results (sync, Work.wait(),
 #              get_future().wait()) and CompressedAdam's read on the caller's
@@ -43,7 +43,7 @@
 #
 # What comes back (OUTPUT_DIR): gpu_check.txt (versions and one line per
 # section), gpu_check.log (every section's output), gpu_check.json (worker,
-# overlap, compare, ranks), kernels-*.{csv,json}, parity.xml (JUnit), and
+# overlap, compare, ranks), kernel_speed-*.{csv,json}, parity.xml (JUnit), and
 # gpu_check-files.tar.gz (the overlap profile's Chrome trace, the host cost's
 # files).
 #
@@ -77,7 +77,7 @@ fi
 if [ "$dry_run" -eq 1 ]; then
   out="${1:-${TMPDIR:-/tmp}/gpu_check-dry-run}"
   budget=170 # seconds for the whole run, packing included
-  # The sections pick the CPU themselves; kernels.py and pytest by what they see.
+  # The sections pick the CPU themselves; kernel_speed.py and pytest by what they see.
   export CUDA_VISIBLE_DEVICES=""
   dry=(--dry-run)
 else
@@ -95,19 +95,17 @@ export PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
 deadline=$((SECONDS + budget - 10)) # 10 s kept for the last packing
 status=0
 
-# gradcomp.kernels is kernels/ installed inside the package: lay that out in a
-# scratch folder instead of installing. csrc/ goes beside the package, where the
+# The package goes to a scratch folder instead of being installed. csrc/ goes beside it, where the
 # cuda backend finds the sources to compile when there is no fatbin (none is
 # copied: the check runs what NVRTC makes of the sources as they are). tests/
 # and pyproject.toml go too, and every section runs there: under `python -m`,
 # the current folder comes first on sys.path, and the repository's own
-# gradcomp/ (without kernels/) would shadow the layout. The bench scripts run
+# gradcomp/ (with its fatbins) would shadow the layout. The bench scripts run
 # from the repository by path (their folder first on sys.path, then the layout).
 tree="$(mktemp -d)"
 extras="$(mktemp -d)" # files beyond the 8 that come back: packed into one archive
 trap 'rm -rf "$tree" "$extras"' EXIT
 cp -r gradcomp "$tree/gradcomp"
-cp -r kernels "$tree/gradcomp/kernels"
 rm -f "$tree"/gradcomp/*.fatbin
 cp -r csrc tests pyproject.toml "$tree/"
 export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
@@ -205,7 +203,7 @@ if [ "$dry_run" -eq 1 ]; then
 else
   kernels=(--sizes 64M,256M --topk-sizes 64M,256M --topk-ratios 0.01)
 fi
-section kernels 75 1 python3 "$repo/bench/kernels.py" "${kernels[@]}" --out "$out" --no-progress
+section kernels 75 1 python3 "$repo/bench/kernel_speed.py" "${kernels[@]}" --out "$out" --no-progress
 section worker 45 1 python3 "$repo/bench/gpu_worker.py" ${dry[@]+"${dry[@]}"} --out "$out"
 section overlap 45 1 python3 "$repo/bench/gpu_ddp.py" --section overlap ${dry[@]+"${dry[@]}"} --out "$out" \
   --trace "$extras/gpu_ddp-trace.json"

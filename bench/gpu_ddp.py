@@ -58,11 +58,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def kernel_names() -> tuple[set[str], tuple[str, ...]]:
     """The names of gradcomp's kernels, read from its sources: the Triton ones (the
-    ``_..._kernel`` functions of kernels/) exactly, and the CUDA ones (csrc/) exactly or,
+    ``_..._kernel`` functions of gradcomp/kernels/) exactly, and the CUDA ones (csrc/) exactly or,
     where a macro stamps one per type (``sign_compress_##X_NAME``), by their prefix. A
     substring would also match torch's own (``sign`` in ``unsigned``)."""
     exact = set()
-    for path in (ROOT / "kernels").glob("*.py"):
+    for path in (ROOT / "gradcomp" / "kernels").glob("*.py"):
         exact |= set(re.findall(r"^def (_\w+_kernel)\(", path.read_text(), re.MULTILINE))
     found = set()
     for path in (ROOT / "csrc").glob("*.cu"):

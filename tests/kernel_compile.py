@@ -376,6 +376,16 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
             f"keep_largest k={k}",
             lambda k=k: kernels.keep_largest(tensor(62), torch.zeros((), dtype=torch.int64), k),
         )
+    for residual_name, sent_name in itertools.product(FLOATS, FLOATS):
+
+        def write_back(residual_name=residual_name, sent_name=sent_name):
+            indices, kept = torch.zeros(62, dtype=torch.int64), torch.zeros(62, dtype=torch.bool)
+            count = torch.zeros((), dtype=torch.int64)
+            return kernels.write_back(
+                tensor(62), tensor(62, sent_name), indices, kept, count, tensor(4097, residual_name)
+            )
+
+        add(f"write_back residual={residual_name} sent={sent_name}", write_back)
     for out_name, index_name, value_name in itertools.product(FLOATS, ("int32", "int64"), FLOATS):
         indices = torch.zeros(41, dtype=getattr(torch, index_name))
         add(

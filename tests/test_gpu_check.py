@@ -5,12 +5,12 @@ reason a CPU could have shown (an import, a signature, a file name) costs
 the run. Two such defects reached the script before: bench/gpu_ddp.py
 imported ``free_port`` from ``gradcomp.demo`` (it lives in
 ``gradcomp.spawn``) inside its main, after its first section, and
-bench/kernels.py called the CUDA backend's ``topk_select`` with
+bench/kernel_speed.py called the CUDA backend's ``topk_select`` with
 ``index_dtype=None``, which only the op boundary completes. The dry run
 runs every section's code on CPU and would have failed on both: the
 two-rank comparison imports at the top of gpu_ddp.py now, and the Top-K
 section runs on the cpu backend, whose direct calls are checked for
-arguments the boundary would complete (tests/test_bench_kernels.py).
+arguments the boundary would complete (tests/test_bench_kernel_speed.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ sys.path.insert(0, BENCH)
 @pytest.mark.parametrize("module", ["gpu_setup", "gpu_worker", "gpu_ddp", "gpu_ranks", "gpu_memcheck"])
 def test_every_section_script_imports(module):
     # Imports sit at the top of each script: a name that moved fails here, not on the GPU
-    # (kernels.py: tests/test_bench_kernels.py).
+    # (kernel_speed.py: tests/test_bench_kernel_speed.py).
     importlib.import_module(module)
 
 
@@ -145,7 +145,7 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path):
     assert {"FSDP2 keeps the hook's input across streams", "no host syncs in steady state"} <= set(
         report["worker"]["checks"]
     )
-    (kernels,) = tmp_path.glob("kernels-*.json")
+    (kernels,) = tmp_path.glob("kernel_speed-*.json")
     ops = {record["op"] for record in json.loads(kernels.read_text())["records"]}
     assert {"copy", "quantize_int8_ef", "topk_1pct_ef", "topk_1pct"} <= ops
     # The host cost's files travel in the archive (the folder keeps its 8).

@@ -1,10 +1,10 @@
 """The layers docs/design.md draws, enforced: no import cycle among gradcomp's
 modules, and every import points into its own layer or one below.
 
-Static: every ``gradcomp/**/*.py`` and ``kernels/*.py`` (installed as
-``gradcomp.kernels``) is parsed with :mod:`ast`, and every import of a gradcomp
-module counts wherever it stands: at module level, inside a function (a
-call-time import is a dependency all the same) or under ``TYPE_CHECKING``.
+Static: every ``gradcomp/**/*.py`` (the Triton kernels in ``gradcomp/kernels/``
+included) is parsed with :mod:`ast`, and every import of a gradcomp module
+counts wherever it stands: at module level, inside a function (a call-time
+import is a dependency all the same) or under ``TYPE_CHECKING``.
 Imports of a computed name (``importlib.import_module(name)``) are not seen.
 """
 
@@ -64,8 +64,6 @@ def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
     for path in sorted((root / "gradcomp").rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    for path in sorted((root / "kernels").glob("*.py")):
-        found["gradcomp.kernels" if path.stem == "__init__" else f"gradcomp.kernels.{path.stem}"] = path
     return found
 
 
@@ -231,7 +229,7 @@ def test_kernels_import_triton_and_torch_only():
                 for top in tops
                 if top not in KERNELS_MAY_IMPORT and top not in sys.stdlib_module_names
             ]
-    assert not wrong, f"kernels/ imports more than triton and torch: {wrong}"
+    assert not wrong, f"gradcomp/kernels/ imports more than triton and torch: {wrong}"
 
 
 def test_every_known_exception_still_occurs():
@@ -266,8 +264,8 @@ def test_the_checks_find_a_planted_cycle_an_upward_import_and_a_missing_module(t
             "gradcomp/ops/__init__.py": "def g():\n    from gradcomp.planner.model import x\n",
             "gradcomp/planner/__init__.py": "from gradcomp.ops import g\n",
             "gradcomp/planner/model.py": "from gradcomp.collectives.gone import Job\n",
-            "kernels/__init__.py": "from .common import k\n",
-            "kernels/common.py": "import triton\n",
+            "gradcomp/kernels/__init__.py": "from .common import k\n",
+            "gradcomp/kernels/common.py": "import triton\n",
         },
     )
     edges = imports(root)

@@ -523,6 +523,28 @@ def test_topk_misjudged_threshold_matches_the_reference(on, misjudge_threshold, 
     assert_same(expected_residual, actual_residual)
 
 
+def test_topk_residual_keeps_the_sign_of_zero(on):
+    """Candidates too small for a 16-bit residual round to -0.0 there, sent or not, and
+    the residual at index 0, where the padding's slots point, keeps its -0.0: the
+    reference's bits (no candidate's residual starts from +0.0 and is added to)."""
+    on.need("topk_select")
+    generator = torch.Generator().manual_seed(9)
+    x = torch.zeros(6000)
+    picked = torch.randperm(6000, generator=generator)[:300]
+    x[picked] = -(torch.rand(300, generator=generator) + 0.5) * 1e-9
+    x[7], x[0] = 0.5, -1e-9
+    x = x.to(on.device)
+    for residual_dtype, k in ((torch.float16, 50), (torch.float16, 400), (torch.float32, 50)):
+        residual = torch.zeros(6000, dtype=residual_dtype, device=on.device)
+        residual[0] = -0.0
+        expected_residual, actual_residual = residual.clone(), residual.clone()
+        expected = REFERENCE.topk_select(x, k, expected_residual, seed=3)
+        actual = on.ops.topk_select(x, k, actual_residual, seed=3)
+        assert_same(expected[1], actual[1])
+        assert_same(expected[0], actual[0])
+        assert_same(expected_residual, actual_residual)
+
+
 @pytest.mark.parametrize("k", [1, 3, 50])
 def test_topk_non_finite_values_are_selected_first(on, k):
     on.need("topk_select")

@@ -5,9 +5,10 @@ Each op has one torch reference (:mod:`gradcomp.ops.reference`, backend
 (:mod:`gradcomp.ops.cpu_backend`), ``triton`` and ``cuda`` (GPU). Calling an
 op here checks its arguments once (:mod:`gradcomp.ops.checks`), then runs the
 first available backend in ``BACKEND_PREFERENCE`` (or the op's own order in
-``OP_PREFERENCE``) that provides it for the tensors' device. ``GRADCOMP_BACKEND=torch|cpu|triton|cuda`` forces one
-backend; forcing a backend that is not available, or that lacks the op,
-raises instead of silently falling back.
+``OP_PREFERENCE``) that provides it for the tensors' device.
+``GRADCOMP_BACKEND=torch|cpu|triton|cuda`` forces one backend; forcing a backend
+that is not available, or that lacks the op, raises instead of silently falling
+back.
 
 Example:
     >>> from gradcomp import ops
@@ -31,9 +32,9 @@ BACKENDS = ("torch", "cpu", "triton", "cuda")
 # Fastest first; torch, the reference, is the fallback that always exists.
 BACKEND_PREFERENCE = ("cuda", "triton", "cpu", "torch")
 # Ops whose fastest backend is another: Top-K's Triton sampling path passes once over
-# the tensor (12 bytes an fp32 element with its residual, kernels/topk.py), the CUDA
+# the tensor (12 bytes an fp32 element with its residual, gradcomp/kernels/topk.py), the CUDA
 # radix select four times (36: three histogram passes and a compaction, csrc/topk.cu);
-# the radix select stays one GRADCOMP_BACKEND=cuda away, and bench/kernels.py times both.
+# the radix select stays one GRADCOMP_BACKEND=cuda away, and bench/kernel_speed.py times both.
 OP_PREFERENCE = {"topk_select": ("triton", "cuda", "cpu", "torch")}
 
 OP_NAMES = (

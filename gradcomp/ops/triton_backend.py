@@ -67,7 +67,8 @@ def topk_select(
     numel = x.numel()
     residual = residual_view(residual)
     if exact or k == numel:
-        return reference.topk_select(x, k, residual, True, index_dtype=index_dtype, value_dtype=value_dtype)
+        exact_select = _exact_topk(x.device)
+        return exact_select(x, k, residual, True, index_dtype=index_dtype, value_dtype=value_dtype)
     capacity = reference.candidate_capacity(k)
     threshold = reference.sample_threshold(x, residual, k, seed).reshape(1)
     values, indices, count = kernels.select_candidates(x, residual, threshold, capacity)
@@ -79,15 +80,24 @@ def topk_select(
     indices = torch.where(filled, indices, 0)
     sent = values.to(value_dtype)
     if residual is not None:
-        # The residual is 0 at every taken candidate: add back what is not sent.
-        unsent = torch.where(kept, values - sent.float(), values).nan_to_num_(0.0, 0.0, 0.0)
-        residual.index_add_(0, indices, unsent.to(residual.dtype))
+        kernels.write_back(values, sent, indices, kept, count, residual)
     # Slots are in index order, padding last: the k kept ones go to outputs
     # 0..k-1 in order, the others to a slot k that is dropped.
     target = torch.where(kept, kept.cumsum(0) - 1, k)
     out_values = sent.new_zeros(k + 1).scatter_(0, target, sent)
     out_indices = indices.new_zeros(k + 1).scatter_(0, target, indices)
     return out_values[:k], out_indices[:k].to(index_dtype)
+
+
+def _exact_topk(device: torch.device):
+    """The exact top-k for tensors on ``device``: the CUDA radix select where the cuda
+    backend runs (dispatch picks this backend's sampling path first, ops.OP_PREFERENCE,
+    and no one asked for Triton alone), else the reference's ``torch.topk``."""
+    from gradcomp import ops  # the package loads this module: imported at the call
+
+    if ops.forced_backend() is None and device.type == "cuda" and ops.runs_on("cuda", device):
+        return ops.functions("cuda")["topk_select"]
+    return reference.topk_select
 
 
 FUNCTIONS = {

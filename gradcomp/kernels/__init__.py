@@ -21,7 +21,7 @@ from .sign import (
     sign_decompress_sum,
 )
 from .sparse import fold_into_residual, gather_compensated, randk_indices, scatter_add
-from .topk import keep_largest, select_candidates
+from .topk import keep_largest, select_candidates, write_back
 
 
 def interpreting() -> bool:
@@ -55,4 +55,5 @@ __all__ = [
     "sign_decompress_rows",
     "sign_decompress_sum",
     "unpack_bits",
+    "write_back",
 ]

@@ -21,8 +21,8 @@ arguments the boundary would complete (``levels``, ``index_dtype``): a
 backend completes nothing (the CUDA one fails on ``index_dtype=None``), and a
 run on CPU finds a call that forgets one before a GPU does.
 
-    python bench/kernels.py                      # 1M..256M elements on a GPU, 1M..4M on CPU
-    python bench/kernels.py --sizes 64M --ops quantize_int8_ef,copy --topk-sizes 64M
+    python bench/kernel_speed.py                 # 1M..256M elements on a GPU, 1M..4M on CPU
+    python bench/kernel_speed.py --sizes 64M --ops quantize_int8_ef,copy --topk-sizes 64M
 
 Writes ``bench/results/kernels-<machine>.{csv,json}``, again after every
 size: a run stopped midway keeps the sizes it finished.
@@ -432,7 +432,7 @@ def print_tables(records: list[dict]) -> None:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    results = Results("kernels", machine(1, "single-process"), vars(args), directory=args.out)
+    results = Results("kernel_speed", machine(1, "single-process"), vars(args), directory=args.out)
     print(f"# machine: {results.machine['machine']}", flush=True)
     records: list[dict] = []
     paths: list[str] = []

@@ -1,32 +1,38 @@
 """Kernels of the sampling Top-K with fused error feedback: one pass over the tensor.
 
 The op (:func:`gradcomp.ops.triton_backend.topk_select`) reads a sample of
-``y = x + residual`` for a threshold that about 1.25 k magnitudes reach, then:
+``y = x + residual`` for a threshold that about 1.25 k magnitudes reach (800 n / k
+elements: for k below 800 the sample is the whole tensor), then:
 
 * :func:`select_candidates` -- the only pass over the whole tensor, and a
   sparse one over the candidates:
 
-  1. ``_mark_candidates_kernel`` reads ``x`` and ``residual`` once and writes the residual
-     once: ``finite(y)`` at every element below the threshold, the old residual
-     left in place at the candidates (which the next kernel reads). It writes
-     one bit per element (candidate or not) and, per block, how many
+  1. ``_mark_candidates_kernel`` reads ``x`` and ``residual`` once and writes the
+     residual once, whole: ``finite(y)`` at every element below the threshold,
+     the old residual again at the candidates (which the gather reads back). It
+     writes one bit per element (candidate or not) and, per block, how many
      magnitudes lie above the threshold and how many equal it;
   2. a prefix sum over those per-block counts (a few hundred thousand at 256M
      elements) places every block's candidates;
-  3. ``_gather_candidates_kernel`` reads the bits and, at the candidates only, ``x`` and the
-     residual (the lanes of the other elements load nothing), writes the taken
-     candidates' values and indices in index order, and the residual there: 0
-     where taken, ``finite(y)`` where the capacity left a candidate out.
+  3. ``_gather_candidates_kernel`` reads the bits and, in the lanes of the
+     candidates only, ``x`` and the residual, and writes the candidates the
+     capacity takes, in index order; where it leaves one out, its residual
+     becomes ``finite(y)``.
 
-  For fp32 ``x`` and residual that is 12 bytes an element (one read of each,
-  one write of the residual: what any fused error-feedback op moves; a copy
-  moves 8) and an eighth of a byte for the bits, against 20 for a count pass
-  and a compaction pass that both read the whole input.
+  For fp32 ``x`` and residual that is 12 bytes an element (one read of each, one
+  write of the residual: what any fused error-feedback op moves; a copy moves 8),
+  a quarter byte for the bits (written, read), and the 32-byte sectors that hold
+  a candidate, read twice: about 0.8 bytes an element at k = 1%, 5 at 10%. A
+  count pass and a compaction pass that both read the whole input moved 20.
 
 * :func:`keep_largest` -- the ``k`` largest of the ~1.25 k candidates, ties at the
   k-th to the first, by a radix select on their magnitudes' bit patterns
   (three digits, each a histogram pass over the candidates and a one-program
   kernel that picks the digit): no sort, no host sync.
+
+* :func:`write_back` -- the taken candidates' residual: what their value
+  loses in the payload's dtype where kept, the value itself where not; a
+  store at each, none at the padding.
 """
 
 import torch
@@ -66,7 +72,8 @@ def _mark_candidates_kernel(
     pid, offsets, mask = block_lanes(numel, BLOCK, BLOCK)
     y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        old = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+        y += old.to(tl.float32)
     magnitude = _magnitude(y)
     threshold = tl.load(threshold_ptr)
     above = (magnitude > threshold) & mask
@@ -79,8 +86,9 @@ def _mark_candidates_kernel(
     words = tl.sum(flags << tl.arange(0, WORD)[None, :], axis=1)
     tl.store(bits_ptr + pid * (BLOCK // WORD) + tl.arange(0, BLOCK // WORD), words)
     if HAS_RESIDUAL:
-        # The candidates keep their old residual for the gather to read.
-        tl.store(residual_ptr + offsets, finite_or_zero(y), mask=mask & ~candidate)
+        # The candidates keep their old residual for the gather to read: written back as it
+        # was (its dtype holds it exactly), so that every sector is written whole.
+        tl.store(residual_ptr + offsets, tl.where(candidate, old, finite_or_zero(y)), mask=mask)
 
 
 @triton.jit
@@ -109,21 +117,24 @@ def _gather_candidates_kernel(
         y += tl.load(residual_ptr + offsets, mask=candidate, other=0.0).to(tl.float32)
     magnitude = _magnitude(y)
     threshold = tl.load(threshold_ptr)
-    above = ((magnitude > threshold) & candidate).to(tl.int64)
-    equal = ((magnitude == threshold) & candidate).to(tl.int64)
+    # The block's own counts fit 32 bits: its scans run in int32, the bases are int64.
+    above = ((magnitude > threshold) & candidate).to(tl.int32)
+    equal = ((magnitude == threshold) & candidate).to(tl.int32)
     # Taken: the first `capacity` above the threshold, then as many equal to it
     # as there is room for, each in index order; written in index order.
     above_total = tl.load(starts_ptr + blocks)
     room = capacity - tl.minimum(above_total, capacity)
-    above_before = tl.load(starts_ptr + pid) + tl.cumsum(above, axis=0) - above
-    equal_before = tl.load(starts_ptr + blocks + pid) - above_total + tl.cumsum(equal, axis=0) - equal
+    above_before = tl.load(starts_ptr + pid) + (tl.cumsum(above, axis=0) - above).to(tl.int64)
+    equal_base = tl.load(starts_ptr + blocks + pid) - above_total
+    equal_before = equal_base + (tl.cumsum(equal, axis=0) - equal).to(tl.int64)
     taken = ((above > 0) & (above_before < capacity)) | ((equal > 0) & (equal_before < room))
     position = tl.minimum(above_before, capacity) + tl.minimum(equal_before, room)
     tl.store(values_ptr + position, y, mask=taken)
     tl.store(indices_ptr + position, offsets, mask=taken)
     if HAS_RESIDUAL:
-        # Taken candidates leave the residual (the op puts back what it does not send).
-        tl.store(residual_ptr + offsets, tl.where(taken, 0.0, finite_or_zero(y)), mask=candidate)
+        # A candidate the capacity leaves out keeps y; a taken one's residual is
+        # written once it is known whether it is sent (write_back).
+        tl.store(residual_ptr + offsets, finite_or_zero(y), mask=candidate & ~taken)
 
 
 @triton.jit
@@ -146,7 +157,7 @@ def _key_histogram_kernel(
     inside = offsets < capacity
     if FIRST:
         y = tl.load(values_ptr + offsets, mask=inside, other=0.0)
-        key = tl.minimum(tl.abs(y).to(tl.int32, bitcast=True), 0x7F800000)
+        key = tl.minimum(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800000)  # NaN as inf
         key = tl.where(offsets < tl.load(count_ptr), key, 0)
         tl.store(keys_ptr + offsets, key, mask=inside)
         counted = inside
@@ -155,7 +166,7 @@ def _key_histogram_kernel(
         counted = inside & ((key >> (SHIFT + 10)) == (tl.load(state_ptr) >> (SHIFT + 10)))
     digit = (key >> SHIFT) & (BINS - 1)
     histogram = tl.histogram(digit, BINS, mask=counted)
-    tl.atomic_add(histogram_ptr + tl.arange(0, BINS), histogram, mask=histogram > 0)
+    tl.atomic_add(histogram_ptr + tl.arange(0, BINS), histogram, mask=histogram > 0, sem="relaxed")
 
 
 @triton.jit
@@ -177,6 +188,27 @@ def _choose_digit_kernel(
     above = tl.sum(tl.where(digits > chosen, histogram, 0), axis=0)
     tl.store(state_ptr, (prefix | (chosen << SHIFT)).to(tl.int64))
     tl.store(state_ptr + 1, need - above)
+
+
+@triton.jit
+def _write_back_kernel(
+    values_ptr,
+    sent_ptr,
+    indices_ptr,
+    kept_ptr,
+    count_ptr,
+    residual_ptr,
+    capacity,
+    KEY_BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+    filled = (offsets < capacity) & (offsets < tl.load(count_ptr))
+    y = tl.load(values_ptr + offsets, mask=filled, other=0.0)
+    sent = tl.load(sent_ptr + offsets, mask=filled, other=0.0).to(tl.float32)
+    kept = tl.load(kept_ptr + offsets, mask=filled, other=0) != 0
+    unsent = finite_or_zero(tl.where(kept, y - sent, y))
+    index = tl.load(indices_ptr + offsets, mask=filled, other=0)
+    tl.store(residual_ptr + index, unsent.to(residual_ptr.dtype.element_ty), mask=filled)
 
 
 def select_candidates(
@@ -241,3 +273,15 @@ def keep_largest(values: torch.Tensor, count: torch.Tensor, k: int) -> torch.Ten
     kth, ties = state[0], state[1]
     tied = keys == kth
     return (keys > kth) | (tied & (tied.cumsum(0) <= ties))
+
+
+def write_back(
+    values: torch.Tensor, sent: torch.Tensor, indices: torch.Tensor, kept: torch.Tensor, count, residual
+) -> None:
+    """``residual[indices] = finite(values - sent)`` where ``kept``, ``finite(values)``
+    elsewhere, at the first ``count`` slots (the candidates; the padding writes nothing)."""
+    capacity = values.numel()
+    grid = (triton.cdiv(capacity, KEY_BLOCK),)
+    _write_back_kernel[grid](
+        values, sent, indices, kept, count, residual, capacity, KEY_BLOCK=KEY_BLOCK, **EXACT
+    )
