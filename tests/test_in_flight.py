@@ -205,3 +205,49 @@ def _same_tensor_twice(rank: int, world_size: int) -> None:
 
 def test_the_same_tensor_twice_in_flight_reduces_the_first_result():
     run_ranks(_same_tensor_twice, 2)
+
+
+def _groups_keep_residuals_apart(rank: int, world_size: int) -> None:
+    # Each group runs its jobs on a worker of its own: nothing orders two groups' jobs, so
+    # the default residuals (and warm starts) are one set a group.
+    other = torch.distributed.new_group(list(range(world_size)))
+    groups = (None, other)
+
+    def reduce(asynchronous: bool):
+        results, handles = [], []
+        for i in range(TENSORS):
+            x = _input(rank, 0, i)
+            handle = gradcomp.all_reduce(x, "powersgd", groups[i % 2], step=i, async_op=asynchronous)
+            handles.append(handle)
+            results.append(x)
+        for handle in handles if asynchronous else []:
+            handle.wait()
+        return results
+
+    gradcomp.collectives._DEFAULT_FEEDBACK.clear()
+    expected = reduce(asynchronous=False)
+    gradcomp.collectives._DEFAULT_FEEDBACK.clear()
+    late = _late_exchanges(DELAY) if rank == 1 else contextlib.nullcontext()
+    with late, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = reduce(asynchronous=True)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    # One ErrorFeedback of the caller's on both groups at once: warned of.
+    memory = gradcomp.ErrorFeedback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handles = [
+            gradcomp.all_reduce(
+                _input(rank, 1, i), "int8", groups[i % 2], feedback=memory, name="g", async_op=True
+            )
+            for i in range(TENSORS)
+        ]
+        for handle in handles:
+            handle.wait()
+    if rank == 0:  # submitted back to back: the other group's job is still in flight
+        assert any("two process groups at once" in str(w.message) for w in caught), caught
+
+
+def test_default_residuals_are_a_groups_own():
+    run_ranks(_groups_keep_residuals_apart, 2)

@@ -164,14 +164,15 @@ def key_of(name: Hashable) -> int:
     return zlib.crc32(repr(name).encode())
 
 
-# Residuals and call counters of all_reduce calls that pass no ErrorFeedback,
-# per compressor settings: a compressor given by name is a new object on every
-# call, but the same settings must find the same residuals (and not pile up).
-_DEFAULT_FEEDBACK: dict[str, tuple[ErrorFeedback, dict]] = {}
+# Residuals and call counters of all_reduce calls that pass no ErrorFeedback, per
+# group and compressor settings: a compressor given by name is a new object on every
+# call, but the same settings must find the same residuals (and not pile up); each
+# group's jobs run on a worker of their own, which orders nothing of another group's.
+_DEFAULT_FEEDBACK: dict[tuple, tuple[ErrorFeedback, dict]] = {}
 
 
-def _default_feedback(compressor: Compressor) -> tuple[ErrorFeedback, dict]:
-    key = settings_key(compressor)
+def _default_feedback(compressor: Compressor, group: dist.ProcessGroup) -> tuple[ErrorFeedback, dict]:
+    key = (group, settings_key(compressor))
     entry = _DEFAULT_FEEDBACK.get(key)
     if entry is None:
         entry = _DEFAULT_FEEDBACK[key] = (ErrorFeedback(), {})
@@ -212,7 +213,7 @@ def all_reduce(
             (:func:`default_algorithm`).
         feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
             for none, or None for the default (residuals kept per compressor
-            settings, shared by the calls with equal settings).
+            settings and group, shared by the calls with equal settings on the group).
         name: residual and random-stream key; give distinct names to distinct
             tensors of one shape (default: the tensor's shape and dtype). Calls
             under one name share the residual and run one after the other; a
@@ -255,7 +256,8 @@ def all_reduce(
         if algorithm is not None:
             check_algorithm(compressor, algorithm)
         check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
-    residuals, counters = _default_feedback(compressor)
+    q = queue_for(group)
+    residuals, counters = _default_feedback(compressor, group or dist.group.WORLD)
     if feedback is False:
         residuals = None
     elif isinstance(feedback, ErrorFeedback):
@@ -266,7 +268,6 @@ def all_reduce(
     if step is None:
         step = counters.get(name, 0)
         counters[name] = step + 1
-    q = queue_for(group)
     if chooser is not None:
         job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
         if q.world_size > 1:  # made here, in call order; a chooser weighs hierarchical on several nodes
@@ -279,9 +280,11 @@ def all_reduce(
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
         steps = functools.partial(job_steps, job, q)
     state = job.state()
-    shared_names.warn_if_shared(state, tensor, residuals, name)
+    shared = shared_names.sharing(state, tensor, q)
     future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce", state=state)
-    shared_names.submitted(state, tensor, future)
+    shared_names.submitted(state, tensor, q, future)
+    if shared:  # after the submit: whether it warns differs between ranks
+        shared_names.warn(shared, residuals, name)
     if async_op:
         return Work(future)
     return future.wait()

@@ -177,7 +177,7 @@ def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
     one_host = len({views[r]["host"] for r in layout[here]}) == 1
     intra_level = Level(intra, local, len(intra_ranks))
     inter_level = Level(inter, order.index(here), len(layout))
-    return Hierarchy(layout, source, intra_level, inter_level, one_host, inter_nodes=order)
+    return Hierarchy(layout, source, intra_level, inter_level, one_host)
 
 
 def hierarchical(

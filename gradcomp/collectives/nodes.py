@@ -34,9 +34,7 @@ class Hierarchy:
         source: where the layout came from (``node_size=2``, ``LOCAL_WORLD_SIZE=2``, ``host names``).
         intra: this rank's node (its local rank, the node size).
         inter: the ranks with this local rank, one a node (this rank's place in their
-            group, the node count).
-        inter_nodes: for each rank of ``inter``'s group, in the group's order, its node
-            (where that is not node order, the nodes' ranks interleave).
+            group, which torch orders by rank, not always node order; the node count).
         shared_memory: whether the node's stages of CPU tensors go through
             shared memory: True where the node's ranks share a host name; it
             turns False by itself where they cannot share memory. Set it on
@@ -48,7 +46,6 @@ class Hierarchy:
     intra: Level
     inter: Level
     shared_memory: bool = True  # CPU tensors: the node's stages through shared memory, while it works
-    inter_nodes: list[int] | None = None  # None: node order
     # (length, dtype) -> SharedArea; ("payloads", nbytes) -> the node's rows of gathered payloads
     areas: dict = dataclasses.field(default_factory=dict)
 

@@ -145,9 +145,6 @@ def hierarchical_reduce_scatter(
         return stats
     between = output if output.dtype == torch.float32 else torch.empty(shard, device=output.device)
     options = {"divisor": divisor, "residual": residual, "step": step, "key": key}
-    order = hierarchy.inter_nodes
-    if order is not None and order != sorted(order):  # row r goes to the group's rank r
-        partial = partial[torch.tensor(order, device=partial.device)]
     inner = compressed_reduce_scatter(between, partial.view(-1), compressor, inter.group, **options)
     if between is not output:
         output.copy_(between)
@@ -158,15 +155,18 @@ def hierarchical_reduce_scatter(
 
 
 def _node_order(hierarchy: Hierarchy, device: torch.device) -> torch.Tensor | None:
-    """For node-mate ``j``, the group ranks of local rank ``j`` node by node (``size`` x
-    ``nodes``); None where that is rank ``node * size + j`` (a view serves)."""
+    """For node-mate ``j``, the group ranks of local rank ``j`` on every node, in the
+    order of their group between nodes (``size`` x ``nodes``): row ``r`` of the
+    compressed reduce-scatter goes to that group's rank ``r``, and torch orders a
+    group's ranks by rank, which need not be node order (nodes by host name with
+    interleaved ranks). None where it is rank ``node * size + j`` (a view serves)."""
     nodes = hierarchy.nodes
-    size = len(nodes[0])
-    if all(node == list(range(n * size, (n + 1) * size)) for n, node in enumerate(nodes)):
+    size, count = len(nodes[0]), len(nodes)
+    ranks = [sorted(node[j] for node in nodes) for j in range(size)]
+    if ranks == [[n * size + j for n in range(count)] for j in range(size)]:
         return None
     key = ("reduce_scatter_order", device)
     if key not in hierarchy.areas:  # made once: a host-to-device copy
-        ranks = [[node[j] for node in nodes] for j in range(size)]
         hierarchy.areas[key] = torch.tensor(ranks, device=device).view(-1)
     return hierarchy.areas[key]
 
