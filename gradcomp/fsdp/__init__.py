@@ -155,6 +155,8 @@ class ReplicateHook:
         # has queued on it: the next unit's reduce-scatter would overwrite it.
         streams.keep_for_current_stream(output)
         held = state.partial.get(unit)
+        if held is not None and held.device != output.device:  # restored with map_location="cpu"
+            held = state.partial[unit] = held.to(output.device)
         if not self.param_group.all_reduce_grads:
             if held is None:
                 state.partial[unit] = output.clone()
