@@ -30,6 +30,9 @@ RUN = {
     "diloco": "test_readme_snippets_run",
     "all-reduce": "test_readme_snippets_run",
     "lightning": "test_readme_lightning_snippet_builds_a_trainer_with_the_callback",
+    "transformers": "test_readme_transformers_snippet_trains_compressed",
+    "accelerate": "test_usage_accelerate_and_fabric_snippets_train_compressed",
+    "fabric": "test_usage_accelerate_and_fabric_snippets_train_compressed",
     "fsdp": "test_readme_fsdp_snippet_compresses_between_replicas",
 }
 
@@ -161,6 +164,71 @@ def test_readme_lightning_snippet_builds_a_trainer_with_the_callback():
     exec(code, scope)
     callbacks = [type(c).__name__ for c in scope["trainer"].callbacks]
     assert "GradientCompression" in callbacks
+
+
+def _run_transformers_snippet(rank: int, world_size: int, code: str, directory: str) -> None:
+    import transformers
+
+    # What torchrun sets; a tiny GPT-2 and a learnable dataset stand for the user's.
+    ranks = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size}
+    os.environ.update({name: str(value) for name, value in ranks.items()})
+    os.chdir(directory)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    starts = torch.randint(0, 64, (48, 1), generator=torch.Generator().manual_seed(1))
+    tokens = (starts + torch.arange(16)) % 64
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    scope = {"model": transformers.GPT2LMHeadModel(config), "dataset": dataset}
+    on_cpu = code.replace("save_steps=500)", "save_steps=500, use_cpu=True)")  # Trainer's CPU DDP
+    assert on_cpu != code
+    exec(on_cpu, scope)
+    (callback,) = [
+        c for c in scope["trainer"].callback_handler.callbacks if type(c).__name__ == "GradcompCallback"
+    ]
+    assert callback.state.last_stats.ratio > 3
+    assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in scope["model"].parameters()]))
+    assert any("gradcomp/ratio" in entry for entry in scope["trainer"].state.log_history)
+
+
+@pytest.mark.slow
+def test_readme_transformers_snippet_trains_compressed(tmp_path):
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    run_ranks(_run_transformers_snippet, 2, block("transformers"), str(tmp_path))
+
+
+def _run_accelerate_and_fabric_snippets(rank: int, world_size: int, blocks: dict, directory: str) -> None:
+    ranks = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size}
+    os.environ.update({name: str(value) for name, value in ranks.items()}, NODE_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.chdir(directory)
+    generator = torch.Generator().manual_seed(rank)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 32, generator=generator), torch.randint(0, 4, (96,))
+    )
+    on_cpu = {
+        "accelerate": blocks["accelerate"].replace("Accelerator()", "Accelerator(cpu=True)"),
+        "fabric": blocks["fabric"].replace('strategy="ddp"', 'accelerator="cpu", strategy="ddp"'),
+    }
+    for name, code in on_cpu.items():
+        assert code != blocks[name]
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        loader = torch.utils.data.DataLoader(data, batch_size=16)
+        scope = _training(net, loader, torch.nn.functional.cross_entropy, lr=0.05, model=net)
+        exec(code, scope)
+        assert scope["state"].last_stats.ratio > 3, name
+        assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()])), name
+        assert os.path.exists(os.path.join("checkpoint", f"gradcomp_rank{rank}.pt")), name
+        gradcomp.collectives.release_queues()
+
+
+@pytest.mark.slow
+def test_usage_accelerate_and_fabric_snippets_train_compressed(tmp_path):
+    pytest.importorskip("accelerate", reason="the transformers extra is not installed")
+    pytest.importorskip("lightning", reason="the Lightning extra is not installed")
+    blocks = {name: block(name) for name in ("accelerate", "fabric")}
+    run_ranks(_run_accelerate_and_fabric_snippets, 2, blocks, str(tmp_path))
 
 
 def _run_fsdp_snippet(rank: int, world_size: int, code: str) -> None:

@@ -27,7 +27,7 @@ trials) and :mod:`~gradcomp.ddp.timing` (its clocks).
 """
 
 from gradcomp.ddp.auto import AutoController, Phase
-from gradcomp.ddp.checkpoint import SCHEMA_VERSION, Checkpointable, on_device
+from gradcomp.ddp.checkpoint import SCHEMA_VERSION, Checkpointable, load_rank_file, on_device, save_rank_file
 from gradcomp.ddp.hook import STATE_OPTIONS, hook, register
 from gradcomp.ddp.options import (
     AUTO_MIN_WARMUP,
@@ -55,6 +55,8 @@ __all__ = [
     "Phase",
     "StepStats",
     "hook",
+    "load_rank_file",
     "on_device",
     "register",
+    "save_rank_file",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,43 @@ class Checkpointable:
                 self.state.step = int(mine["step"])
             return
         self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
+
+
+RANK_FILE = "gradcomp_rank{rank}.pt"
+
+
+def save_rank_file(state, directory: str) -> str:
+    """Write this rank's ``state`` (a :class:`HookState`, :class:`gradcomp.fsdp.FSDPState`)
+    into ``directory`` as a file of its own, beside a framework's checkpoint (as
+    Trainer's ``rng_state_{rank}.pth``); every rank calls it. Returns the file's path."""
+    rank, world = _rank_and_world(state.process_group)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, RANK_FILE.format(rank=rank))
+    torch.save({"world_size": world, "state": on_device(state.state_dict(), "cpu")}, path)
+    return path
+
+
+def load_rank_file(state, directory: str) -> None:
+    """Restore this rank's ``state`` from :func:`save_rank_file`'s file in ``directory``.
+
+    Raises:
+        FileNotFoundError: the folder holds no gradcomp state for this rank.
+        ValueError: it was saved by a run of another world size.
+    """
+    rank, world = _rank_and_world(state.process_group)
+    path = os.path.join(directory, RANK_FILE.format(rank=rank))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"gradcomp: {path} does not exist: the checkpoint holds no compression state for rank {rank} "
+            "(saved without gradcomp, or by fewer ranks); its residuals would be lost"
+        )
+    saved = torch.load(path, weights_only=False)
+    if int(saved["world_size"]) != world:
+        raise ValueError(
+            f"the checkpoint holds the hook state of {saved['world_size']} ranks and this run has {world}: "
+            "residuals belong to their rank; resume on as many ranks"
+        )
+    state.load_state_dict(saved["state"])  # residuals move to their gradients' device at first use
 
 
 def _rank_and_world(group) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""A Lightning callback that compresses DDP's gradients with gradcomp.
+"""Lightning: a Trainer callback that compresses DDP's gradients with gradcomp, and
+:func:`register_fabric` for Lightning Fabric.
 
 Lightning registers ``DDPStrategy(ddp_comm_hook=...)`` only when its root
 device is a GPU; on CPUs a run with gradcomp's hook passed that way trains
@@ -104,6 +105,32 @@ class GradientCompression(Callback):
         mine = ranks[dist.get_rank() if dist.is_initialized() else 0]
         if mine is not None:
             self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
+
+
+def register_fabric(module, compressor="int8", **options) -> ddp.HookState:
+    """Register gradcomp's DDP hook on a model ``fabric.setup`` returned (Lightning Fabric's
+    ``DDPStrategy`` takes no comm hook); its state.
+
+    Args:
+        module: what ``fabric.setup(model, ...)`` returned, on a DDP strategy.
+        compressor, options: as :func:`gradcomp.ddp.register`'s.
+
+    Each rank keeps its own residuals: save them with ``gradcomp.ddp.save_rank_file(state,
+    folder)`` on every rank beside ``fabric.save`` (which writes from rank 0 only), and
+    restore them with ``gradcomp.ddp.load_rank_file``.
+
+    Example:
+        >>> fabric = lightning.Fabric(strategy="ddp", devices=2)
+        >>> model, optimizer = fabric.setup(model, optimizer)
+        >>> state = register_fabric(model, "int8", warmup_steps=10)
+    """
+    wrapped = getattr(module, "_forward_module", module)
+    if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"register_fabric needs the module fabric.setup returned on a DDP strategy (strategy='ddp'); "
+            f"it wraps a {type(wrapped).__name__}"
+        )
+    return ddp.register(wrapped, compressor, **options)
 
 
 def _compressor_options(options: dict) -> dict:

@@ -1,0 +1,141 @@
+"""A Hugging Face Trainer callback that compresses the gradients Trainer exchanges.
+
+Trainer builds its ``DistributedDataParallel`` through accelerate, whose
+``comm_hook`` takes only PyTorch's built-in hooks. :class:`GradcompCallback`
+registers gradcomp's hook on the wrapped model itself when training begins,
+with any Trainer subclass (TRL's included), logs what it sends into Trainer's
+logs, and keeps each rank's residuals in every checkpoint, so that
+``trainer.train(resume_from_checkpoint=...)`` continues the compressed run as
+Trainer's own resume continues a dense one.
+
+Example:
+    >>> from gradcomp.integrations.transformers import GradcompCallback
+    >>> trainer = Trainer(model=model, args=args, train_dataset=data,
+    ...                   callbacks=[GradcompCallback("int8", warmup_steps=10)])
+    >>> trainer.train()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+try:
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as error:  # the extra is missing
+    raise ImportError(
+        'this module needs transformers: pip install -e ".[transformers]" or pip install transformers'
+    ) from error
+
+from gradcomp import ddp, planner
+from gradcomp.compressors import get_compressor
+
+logger = logging.getLogger(__name__)
+
+
+class GradcompCallback(TrainerCallback):
+    """Register gradcomp's DDP hook on Trainer's wrapped model, log it, checkpoint it.
+
+    Args:
+        compressor: a compressor name or object (:func:`gradcomp.get_compressor`),
+            or ``"auto"``.
+        log: add ``gradcomp/ratio`` and ``gradcomp/bytes_sent`` to every log Trainer
+            writes (its history and every ``report_to`` integration), and with
+            ``"auto"`` its plan once, as ``gradcomp/plan``.
+        **options: :func:`gradcomp.ddp.register`'s options, the hook's and the
+            compressor's (``warmup_steps``, ``min_numel``, ``ratio``, ``allow``, ...).
+
+    The hook is registered once, whatever the number of ``train()`` calls.
+    Gradient accumulation sends once per optimizer step (Trainer accumulates
+    under DDP's ``no_sync``). Each checkpoint gets a ``gradcomp_rank{r}.pt`` a
+    rank; a resumed run loads it, on as many ranks. On one process there is
+    nothing to exchange: it warns and trains as without it. DeepSpeed, which
+    exchanges gradients itself, is refused.
+
+    Attributes:
+        state: the :class:`gradcomp.ddp.HookState`, once training has begun.
+    """
+
+    def __init__(self, compressor="int8", log: bool = True, **options):
+        self.compressor = compressor
+        self.log = log
+        self.options = options
+        self.state: ddp.HookState | None = None
+        self._model = None  # the DDP wrapper the hook is on
+        self._plan_logged = False
+        if isinstance(compressor, str) and planner.is_auto(compressor):
+            hook_options = set(ddp.STATE_OPTIONS)
+            if any(name not in hook_options for name in options):
+                raise ValueError(f"compressor='auto' takes no compressor options, got {sorted(options)}")
+        else:  # bad settings fail here, not at the first step
+            get_compressor(compressor, **{k: v for k, v in options.items() if k not in ddp.STATE_OPTIONS})
+
+    # ------------------------------------------------------------------ Trainer's events
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer, resume = _calling_trainer()
+        if trainer.is_deepspeed_enabled:
+            raise RuntimeError(
+                "GradcompCallback compresses DDP's gradient exchange; DeepSpeed exchanges gradients itself. "
+                "Train without deepspeed= (Trainer then uses DDP), or use DeepSpeed's own compression"
+            )
+        model = trainer.model_wrapped
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if args.world_size > 1:
+                raise RuntimeError(
+                    f"GradcompCallback needs Trainer to wrap the model in DistributedDataParallel; it is a "
+                    f"{type(model).__name__} (FSDP and other wrappers exchange gradients otherwise)"
+                )
+            logger.warning("gradcomp: one process, nothing to exchange: training without compression")
+            return
+        if self.state is None:
+            self.state = ddp.register(model, self.compressor, **self.options)
+        elif model is not self._model:  # a train() call that wrapped the model anew
+            model.register_comm_hook(self.state, ddp.hook)
+        self._model = model
+        if self.log:  # first: what on_log adds reaches every integration's callback
+            callbacks = trainer.callback_handler.callbacks
+            callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+        if state.global_step > 0:  # a resumed run
+            folder = resume or os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            ddp.load_rank_file(self.state, folder)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        stats = self.state.last_stats if self.state is not None else None
+        if not self.log or stats is None or logs is None:
+            return
+        values = {"gradcomp/ratio": stats.ratio, "gradcomp/bytes_sent": float(stats.bytes_sent)}
+        if self.options.get("measure_error"):
+            values["gradcomp/relative_error"] = stats.relative_error
+        plan = self.state.plan
+        if plan is not None and not self._plan_logged:
+            values["gradcomp/plan"] = "; ".join(f"{p.numel} {p.compressor} {p.how}" for p in plan)
+            self._plan_logged = True
+        logs.update(values)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)  # Trainer copied logs into its history before this
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.state is not None:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            ddp.save_rank_file(self.state, folder)
+
+
+def _calling_trainer() -> tuple[Trainer, str | None]:
+    """The Trainer whose event is being handled, and the checkpoint it resumes from.
+
+    Callbacks are handed the unwrapped model, not Trainer: the wrapped one (DDP)
+    and the folder ``train(resume_from_checkpoint=...)`` resolved are the Trainer's
+    and its training loop's, found on the call stack (an event is always called
+    from a method of the Trainer, any subclass)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return owner, resume if isinstance(resume, str) else None
+        frame = frame.f_back
+    raise RuntimeError("GradcompCallback's events must come from a transformers Trainer")
