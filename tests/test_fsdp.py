@@ -497,5 +497,6 @@ def _no_deprecated_calls(rank: int, world: int) -> None:
     assert {how.split()[0] for how in state.stats[1].compressors.values()} == {"int8"}
 
 
+@pytest.mark.slow
 def test_fsdp_paths_call_no_deprecated_collective():
     run_ranks(_no_deprecated_calls, 2)

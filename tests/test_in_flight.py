@@ -203,6 +203,7 @@ def _same_tensor_twice(rank: int, world_size: int) -> None:
     assert torch.equal(memories[0].get(key), memories[1].get(key))
 
 
+@pytest.mark.slow
 def test_the_same_tensor_twice_in_flight_reduces_the_first_result():
     run_ranks(_same_tensor_twice, 2)
 
@@ -249,5 +250,6 @@ def _groups_keep_residuals_apart(rank: int, world_size: int) -> None:
         assert any("two process groups at once" in str(w.message) for w in caught), caught
 
 
+@pytest.mark.slow
 def test_default_residuals_are_a_groups_own():
     run_ranks(_groups_keep_residuals_apart, 2)

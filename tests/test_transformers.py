@@ -129,6 +129,7 @@ def _accumulates(rank: int, world: int, root: str) -> None:
     assert len({s.bytes_sent for s in stats}) == 1 and stats[0].bytes_sent > 0
 
 
+@pytest.mark.slow
 def test_accumulation_sends_once_per_optimizer_step(tmp_path):
     run_ranks(_accumulates, 2, str(tmp_path))
 
