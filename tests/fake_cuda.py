@@ -172,8 +172,9 @@ def install_fake() -> FakeCuda:
 
     streams.Future = RecordingFuture
     original_record_stream = torch.Tensor.record_stream
-    # The caching allocator's recordStream: the block is not reused before the stream's
-    # work queued up to its free is done. Logged with the storage it keeps.
+    # c10/cuda/CUDACachingAllocator.cpp, recordStream: the block's stream_uses gains the
+    # stream; when the block is freed, insert_events records an event on each of them and
+    # the block returns to its pool only once they complete. Logged with the storage kept.
     torch.Tensor.record_stream = lambda tensor, stream: fake.log.append(
         ("record_stream", stream, tensor.untyped_storage().data_ptr())
     )

@@ -62,15 +62,10 @@ class Job:
         (:meth:`gradcomp.collectives.worker.CollectiveQueue.submit`)."""
         if self.feedback is None or (self.compressor is not None and not self.compressor.keeps_state):
             return ()
-        return kept_under(self.feedback, self.key)
+        return ((self.feedback, self.key),)
 
     def residual(self, name: Hashable, like: torch.Tensor) -> torch.Tensor | None:
         """The residual kept under ``name`` (shaped like ``like``), or None without feedback."""
         if self.feedback is None or not self.compressor.needs_feedback:
             return None
         return self.feedback.residual(name, like)
-
-
-def kept_under(feedback: ErrorFeedback, key: int) -> tuple:
-    """The state token of what ``feedback`` keeps under ``key`` (:meth:`Job.state`)."""
-    return ((feedback, key),)
