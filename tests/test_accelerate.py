@@ -39,16 +39,53 @@ def _batch(rank: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=generator), torch.randint(0, 4, (16,), generator=generator)
 
 
-def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | None):
+def _fsdp2_accelerator() -> accelerate.Accelerator:
+    """An Accelerator with FSDP2 as on GPUs, on CPU ranks.
+
+    accelerate chooses ``DistributedType.FSDP`` only for accelerator ranks
+    (``AcceleratorState.__init__`` reads the FSDP plugin inside the branch for
+    MULTI_GPU, MULTI_XPU, ...; on CPU it stays MULTI_CPU and wraps in DDP): this sets
+    what that branch sets. ``prepare`` (``fully_shard`` of each layer, then the
+    model), accumulation and the checkpoints are accelerate's own; sharded, as a full
+    state dict's gather fails on Gloo CPU ranks."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="size_based_wrap",
+        min_num_params=1000,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE, fsdp_plugin=plugin)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as that branch does
+    return accelerator
+
+
+def _weights(model) -> torch.Tensor:
+    """Every parameter whole (gathered from every rank where FSDP2 shards them)."""
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return torch.cat([p.reshape(-1) for p in whole])
+
+
+def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | None, fsdp2: bool = False):
     """Optimizer steps ``start`` to ``stop`` with accelerate (``ACCUMULATE`` micro-batches a
     step), int8; restored from ``folder`` where ``start`` > 0, saved there after ``save_at``."""
     from gradcomp.integrations.accelerate import checkpoint_residuals
 
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    if fsdp2:
+        accelerator = _fsdp2_accelerator()
+    else:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = gradcomp.ddp.register(model, "int8", min_numel=0)
+    if fsdp2:  # the reduce-scatter compressed, with error feedback: residuals to checkpoint
+        state = gradcomp.fsdp.register(model, "int8", residual="full")
+    else:
+        state = gradcomp.ddp.register(model, "int8", min_numel=0)
     checkpoint_residuals(accelerator, state)
     if start:
         accelerator.load_state(folder)
@@ -61,27 +98,28 @@ def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | N
                 optimizer.zero_grad()
         if step + 1 == save_at:
             accelerator.save_state(folder)
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    weights = _weights(model)
     gradcomp.collectives.release_queues()
     return weights, state
 
 
-def _accelerate_run(rank: int, world: int, root: str) -> None:
+def _accelerate_run(rank: int, world: int, root: str, fsdp2: bool) -> None:
     _environment(rank, world)
     folder = os.path.join(root, "checkpoint")
-    whole, state = _accelerated(rank, folder, 0, STEPS, save_at=3)
+    whole, state = _accelerated(rank, folder, 0, STEPS, save_at=3, fsdp2=fsdp2)
     assert same_on_all_ranks(whole)
     # One exchange an optimizer step, not one a micro-batch.
     assert state.step == STEPS and len(state.stats) == STEPS and state.last_stats.ratio > 3
     assert os.path.exists(os.path.join(folder, f"gradcomp_rank{rank}.pt"))
-    resumed, again = _accelerated(rank, folder, 3, STEPS, save_at=None)
+    resumed, again = _accelerated(rank, folder, 3, STEPS, save_at=None, fsdp2=fsdp2)
     assert again.step == STEPS
     assert torch.equal(whole, resumed), "the resumed run ended elsewhere than the uninterrupted one"
 
 
 @pytest.mark.slow
-def test_accelerate_sends_once_a_step_and_resumes_with_every_ranks_residuals(tmp_path):
-    run_ranks(_accelerate_run, 2, str(tmp_path))
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
+def test_accelerate_sends_once_a_step_and_resumes_with_every_ranks_residuals(tmp_path, fsdp2):
+    run_ranks(_accelerate_run, 2, str(tmp_path), fsdp2)
 
 
 def _fabric_run(rank: int, world: int, root: str) -> None:

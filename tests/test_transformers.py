@@ -160,3 +160,78 @@ def test_deepspeed_is_refused_and_bad_settings_fail_at_once(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradcompCallback("auto", warmup_steps=3, allow=("int8",))
+
+
+class _FSDPOnCPUTrainer(transformers.Trainer):
+    """Trainer as it runs FSDP2 on GPUs, on CPU ranks.
+
+    accelerate chooses ``DistributedType.FSDP`` only for accelerator ranks
+    (``AcceleratorState.__init__``: the FSDP plugin is read inside the branch for
+    MULTI_GPU, MULTI_XPU, ...; on CPU it stays MULTI_CPU and wraps in DDP). This
+    sets the type and plugin that branch sets; the sharding (``fully_shard`` of each
+    GPT2Block, then the model), the checkpoints and the loop are accelerate's and
+    Trainer's own."""
+
+    def create_accelerator_and_postprocess(self):
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        super().create_accelerator_and_postprocess()
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.accelerator.state.distributed_type = DistributedType.FSDP
+        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        self.is_fsdp_enabled = True
+
+
+# Sharded checkpoints: a full state dict's gather for saving fails on Gloo CPU ranks
+# (accelerate's FULL_STATE_DICT path; a size mismatch in Gloo, with or without gradcomp).
+FSDP2 = dict(
+    fsdp=True,
+    fsdp_config={
+        "version": 2,
+        "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        "state_dict_type": "SHARDED_STATE_DICT",
+    },
+)
+
+
+def _full_parameters(model) -> torch.Tensor:
+    """Every parameter whole (FSDP2 shards them: gathered from every rank)."""
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+def _fsdp2_trains_compressed(rank: int, world: int, root: str) -> dict:
+    _environment(rank, world)
+    from torch.distributed.fsdp import FSDPModule
+
+    dense = _trainer(os.path.join(root, "dense"), [], trainer_class=_FSDPOnCPUTrainer, **FSDP2)
+    dense.train()
+    callback = GradcompCallback("int8", residual="full")  # error feedback: state to resume
+    compressed = _trainer(
+        os.path.join(root, "int8"), [callback], trainer_class=_FSDPOnCPUTrainer,
+        save_strategy="steps", save_steps=3, **FSDP2,
+    )  # fmt: skip
+    compressed.train()
+    assert isinstance(compressed.model_wrapped, FSDPModule)
+    assert callback.state.reduce_scatter is not None and callback.state.step == 6
+    losses = [entry["loss"] for entry in compressed.state.log_history if "loss" in entry]
+    dense_losses = [entry["loss"] for entry in dense.state.log_history if "loss" in entry]
+    assert abs(losses[-1] - dense_losses[-1]) <= 0.01 * dense_losses[-1], (losses, dense_losses)
+    logged = [entry for entry in compressed.state.log_history if "loss" in entry]
+    assert len(logged) == 6 and all(entry["gradcomp/ratio"] > 3 for entry in logged)
+    whole = _full_parameters(compressed.model)
+    assert same_on_all_ranks(whole)
+    assert os.path.exists(os.path.join(root, "int8", "checkpoint-3", f"gradcomp_rank{rank}.pt"))
+    resumed = _trainer(
+        os.path.join(root, "int8"),
+        [GradcompCallback("int8", residual="full")],
+        trainer_class=_FSDPOnCPUTrainer,
+        **FSDP2,
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(root, "int8", "checkpoint-3"))
+    return {"resumed exactly": torch.equal(whole, _full_parameters(resumed.model))}
+
+
+@pytest.mark.slow
+def test_trainer_under_fsdp2_compresses_the_reduce_scatter_logs_and_resumes(tmp_path):
+    assert run_ranks(_fsdp2_trains_compressed, 2, str(tmp_path)) == {"resumed exactly": True}

@@ -22,6 +22,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -31,14 +32,14 @@ except ImportError as error:  # the extra is missing
         'this module needs transformers: pip install -e ".[transformers]" or pip install transformers'
     ) from error
 
-from gradcomp import ddp, planner
+from gradcomp import ddp, fsdp, planner
 from gradcomp.compressors import get_compressor
 
 logger = logging.getLogger(__name__)
 
 
 class GradcompCallback(TrainerCallback):
-    """Register gradcomp's DDP hook on Trainer's wrapped model, log it, checkpoint it.
+    """Compress the gradients of Trainer's wrapped model, log what is sent, checkpoint it.
 
     Args:
         compressor: a compressor name or object (:func:`gradcomp.get_compressor`),
@@ -47,9 +48,15 @@ class GradcompCallback(TrainerCallback):
             writes (its history and every ``report_to`` integration), and with
             ``"auto"`` its plan once, as ``gradcomp/plan``.
         **options: :func:`gradcomp.ddp.register`'s options, the hook's and the
-            compressor's (``warmup_steps``, ``min_numel``, ``ratio``, ``allow``, ...).
+            compressor's (``warmup_steps``, ``min_numel``, ``ratio``, ``allow``, ...);
+            under FSDP2, :func:`gradcomp.fsdp.register`'s.
 
-    The hook is registered once, whatever the number of ``train()`` calls.
+    Under DDP (Trainer's default on several processes) it registers gradcomp's
+    hook; under FSDP2 (``fsdp_config={"version": 2}``) it compresses FSDP's
+    reduce-scatter with :func:`gradcomp.fsdp.register` (a quantizer or a 16-bit
+    cast; accelerate's 2-D HSDP mesh is refused, its all-reduce between replicas
+    happens before any hook). Either is registered once, whatever the number of
+    ``train()`` calls.
     Gradient accumulation sends once per optimizer step (Trainer accumulates
     under DDP's ``no_sync``). Each checkpoint gets a ``gradcomp_rank{r}.pt`` a
     rank; a resumed run loads it, on as many ranks. On one process there is
@@ -57,7 +64,8 @@ class GradcompCallback(TrainerCallback):
     exchanges gradients itself, is refused.
 
     Attributes:
-        state: the :class:`gradcomp.ddp.HookState`, once training has begun.
+        state: the :class:`gradcomp.ddp.HookState` (:class:`gradcomp.fsdp.FSDPState`
+            under FSDP2), once training has begun.
     """
 
     def __init__(self, compressor="int8", log: bool = True, **options):
@@ -67,12 +75,12 @@ class GradcompCallback(TrainerCallback):
         self.state: ddp.HookState | None = None
         self._model = None  # the DDP wrapper the hook is on
         self._plan_logged = False
+        hook_options = set(ddp.STATE_OPTIONS) | set(fsdp.OPTIONS)  # which one applies: at train()
         if isinstance(compressor, str) and planner.is_auto(compressor):
-            hook_options = set(ddp.STATE_OPTIONS)
             if any(name not in hook_options for name in options):
                 raise ValueError(f"compressor='auto' takes no compressor options, got {sorted(options)}")
         else:  # bad settings fail here, not at the first step
-            get_compressor(compressor, **{k: v for k, v in options.items() if k not in ddp.STATE_OPTIONS})
+            get_compressor(compressor, **{k: v for k, v in options.items() if k not in hook_options})
 
     # ------------------------------------------------------------------ Trainer's events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -83,18 +91,22 @@ class GradcompCallback(TrainerCallback):
                 "Train without deepspeed= (Trainer then uses DDP), or use DeepSpeed's own compression"
             )
         model = trainer.model_wrapped
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            if args.world_size > 1:
-                raise RuntimeError(
-                    f"GradcompCallback needs Trainer to wrap the model in DistributedDataParallel; it is a "
-                    f"{type(model).__name__} (FSDP and other wrappers exchange gradients otherwise)"
-                )
+        if isinstance(model, FSDPModule):
+            if self.state is None:  # FSDP2 keeps the module it sharded: one register for every train()
+                self.state = fsdp.register(model, self.compressor, **self.options)
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self.state is None:
+                self.state = ddp.register(model, self.compressor, **self.options)
+            elif model is not self._model:  # a train() call that wrapped the model anew
+                model.register_comm_hook(self.state, ddp.hook)
+        elif args.world_size > 1:
+            raise RuntimeError(
+                f"GradcompCallback compresses DDP and FSDP2 (fsdp_config={{'version': 2}}); Trainer wrapped "
+                f"the model in a {type(model).__name__}, which exchanges gradients otherwise"
+            )
+        else:
             logger.warning("gradcomp: one process, nothing to exchange: training without compression")
             return
-        if self.state is None:
-            self.state = ddp.register(model, self.compressor, **self.options)
-        elif model is not self._model:  # a train() call that wrapped the model anew
-            model.register_comm_hook(self.state, ddp.hook)
         self._model = model
         if self.log:  # first: what on_log adds reaches every integration's callback
             callbacks = trainer.callback_handler.callbacks
@@ -110,7 +122,7 @@ class GradcompCallback(TrainerCallback):
         values = {"gradcomp/ratio": stats.ratio, "gradcomp/bytes_sent": float(stats.bytes_sent)}
         if self.options.get("measure_error"):
             values["gradcomp/relative_error"] = stats.relative_error
-        plan = self.state.plan
+        plan = getattr(self.state, "plan", None)
         if plan is not None and not self._plan_logged:
             values["gradcomp/plan"] = "; ".join(f"{p.numel} {p.compressor} {p.how}" for p in plan)
             self._plan_logged = True
