@@ -762,3 +762,20 @@ def test_ddp_train_writes_profiler_traces_with_gradcomps_ranges(tmp_path):
         names = {event.get("name", "") for event in json.load(file)["traceEvents"]}
     assert {"gradcomp.compress", "gradcomp.exchange", "gradcomp.decode", "gradcomp.bucket 0"} <= names
     assert (traces / "ddp_train-dense.json").exists()
+
+
+@pytest.mark.slow
+def test_trainer_train_smoke(tmp_path):
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--corpus-bytes", "256000"]
+    result = run_script(
+        "trainer_train.py", *tiny, "--steps", "6", "--warmup-steps", "1", "--rounds", "1",
+        "--compressors", "int8", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "round 1    dense" in result.stdout and "round 1     int8" in result.stdout
+    with open(os.path.join(tmp_path, f"{stem('trainer_train')}.json")) as file:
+        records = json.load(file)["records"]
+    dense, int8 = records
+    assert (dense["run"], int8["run"]) == ("dense", "int8")
+    assert dense["ratio"] == 1.0 and 3 < int8["ratio"] < 4.1 and int8["timed_steps"] == 4
+    assert abs(int8["eval_loss"] - dense["eval_loss"]) < 0.02 * dense["eval_loss"]
