@@ -19,6 +19,7 @@ every rank at every step, the weights after :meth:`DiLoCo.synchronize`.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from gradcomp.collectives import Chooser, ReduceStats, all_reduce, verify_settings
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
-from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback
 
 SCHEMA_VERSION = 2  # 2: per-fragment outer steps and exchanges in flight (1 read with one fragment)
@@ -121,11 +122,13 @@ class DiLoCo:
             raise TypeError(
                 "DiLoCo averages the weights itself: pass the module, not a DistributedDataParallel"
             )
+        own = [
+            name
+            for name in inspect.signature(DiLoCo.__init__).parameters
+            if name not in ("self", "compressor_options")
+        ]
+        split_options(compressor, compressor_options, own, "DiLoCo")  # a typo: the nearest name said
         chooser = as_chooser(compressor)
-        if chooser is not None and compressor_options:
-            raise ValueError(
-                f"a chooser ({compressor!r}) takes no compressor options, got {sorted(compressor_options)}"
-            )
         compressor = chooser or get_compressor(compressor, **compressor_options)
         self.model, self.inner, self.sync_every = model, inner, sync_every
         self.compressor, self.algorithm, self.group = compressor, algorithm, group

@@ -30,6 +30,7 @@ scale gradients with that in mind: before ``step()`` they are not averaged.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Iterable
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import all_reduce, check_algorithm, key_of, settings_key
-from gradcomp.compressors import Compressor, NoCompression, get_compressor
+from gradcomp.compressors import Compressor, NoCompression, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback
 
 __all__ = ["CompressedAdam"]
@@ -92,6 +93,9 @@ def _settings(compressor) -> str | None:
     return settings_key(compressor)
 
 
+_NOT_OPTIONS = ("self", "params", "compressor_options")
+
+
 def _compressor(spec) -> Compressor | None:
     return None if spec is None else get_compressor(spec)
 
@@ -105,9 +109,9 @@ class CompressedAdam(torch.optim.Optimizer):
             ``gradient_compressor``).
         lr, betas, eps, weight_decay: AdamW's (weight decay decoupled).
         compressor: how the updates (momentum over the frozen denominator)
-            are exchanged after the warm-up (a name or a
-            :class:`~gradcomp.Compressor`); ``None`` keeps the group AdamW
-            throughout, its gradients averaged at every step.
+            are exchanged after the warm-up (a spec such as ``"sign"`` or
+            ``"topk@0.01"``, or a :class:`~gradcomp.Compressor`); ``None`` keeps
+            the group AdamW throughout, its gradients averaged at every step.
         gradient_compressor: how gradients are exchanged while they are (the
             warm-up, and every step of a ``compressor=None`` group); default
             ``None``, dense.
@@ -120,6 +124,7 @@ class CompressedAdam(torch.optim.Optimizer):
         bucket_mb: parameters are exchanged in flat buckets of about this size.
         broadcast: copy rank 0's parameters to every rank at construction
             (as DDP does), so replicas start identical.
+        compressor_options: ``compressor``'s options (``ratio=0.01``), as in its spec.
 
     Example:
         >>> opt = gradcomp.optim.CompressedAdam(model.parameters(), lr=3e-4, compressor="sign",
@@ -151,7 +156,14 @@ class CompressedAdam(torch.optim.Optimizer):
         algorithm: str | None = None,
         bucket_mb: float = 25.0,
         broadcast: bool = True,
+        **compressor_options,
     ):
+        if compressor_options:  # for compressor=, as DiLoCo takes them; a typo: the nearest name said
+            if compressor is None:
+                raise ValueError(f"compressor options {sorted(compressor_options)} with compressor=None")
+            own = [n for n in inspect.signature(CompressedAdam.__init__).parameters if n not in _NOT_OPTIONS]
+            split_options(compressor, compressor_options, own, "CompressedAdam")
+            compressor = get_compressor(compressor, **compressor_options)
         if not 0.0 <= lr:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):

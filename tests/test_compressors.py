@@ -434,7 +434,7 @@ def test_non_finite_input_is_never_hidden(variant, planted, position, with_resid
 def test_unknown_name_and_option_raise():
     with pytest.raises(ValueError):
         get_compressor("int3")
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="a compressor is a spec"):
         get_compressor(8)
     with pytest.raises(ValueError):
         get_compressor("int8", ratio=0.1)

@@ -1,13 +1,23 @@
-"""Compressor classes and the name registry.
+"""Compressor classes, the name registry and the one spec grammar.
+
+A compressor is named the same way everywhere (the DDP hook, FSDP2, the
+all-reduce, CompressedAdam, DiLoCo, ``allow=``, the command line): a name
+(``"int8"``), a name and its main option (``"topk@0.01"``: the ratio; the rank
+of ``powersgd``, the block of ``int8`` and ``int4``), or a name and options
+(``"int4:block=128,stochastic=false"``); options may also be given as
+arguments.
 
 Example:
     >>> c = get_compressor("topk", ratio=0.01)
+    >>> get_compressor("topk@0.01").ratio == get_compressor("topk:ratio=0.01").ratio == c.ratio
+    True
     >>> [name for name in COMPRESSORS]
     ['none', 'fp16', 'bf16', 'int8', 'int4', 'int2', 'ternary', 'qsgd', 'sign', 'topk', 'randk', 'powersgd']
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 
 from gradcomp.compressors.base import Compressor, Context, mix_seed
@@ -23,27 +33,119 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 }
 
 
+# ``name@value`` sets this option of the compressor (``topk@0.01``).
+SHORT_OPTION = {"topk": "ratio", "randk": "ratio", "powersgd": "rank", "int8": "block", "int4": "block"}
+
+
 def get_compressor(name: str | Compressor, **options) -> Compressor:
-    """A compressor by name (see ``COMPRESSORS``) with its options.
+    """A compressor from a spec (``"int8"``, ``"topk@0.01"``, ``"int4:block=128"``; see
+    ``COMPRESSORS`` for the names) with its options, those of the spec and the arguments.
 
     A :class:`Compressor` instance is returned as it is (options must then be empty).
 
     Raises:
-        ValueError: unknown name or option, or an option out of range.
-        TypeError: an option of the wrong type.
+        ValueError: unknown name or option (the nearest names said), an option given
+            twice, or an option out of range.
+        TypeError: a spec that is not a string, or an option of the wrong type.
     """
     if isinstance(name, Compressor):
         if options:
             raise ValueError("options cannot be given with a compressor instance")
         return name
-    if not isinstance(name, str) or name.lower() not in COMPRESSORS:
-        raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(COMPRESSORS)}")
-    cls = COMPRESSORS[name.lower()]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    if not isinstance(name, str):
+        raise TypeError(f"a compressor is a spec ('int8', 'topk@0.01') or a Compressor; got {name!r}")
+    spec = name
+    name, spec_options = parse_spec(spec)
+    if name not in COMPRESSORS:
+        raise ValueError(
+            f"unknown compressor {spec!r}{_nearest(name, COMPRESSORS)}; choose one of {sorted(COMPRESSORS)}"
+        )
+    twice = sorted(set(spec_options) & set(options))
+    if twice:
+        raise ValueError(f"{twice} given both in the spec {spec!r} and as an argument")
+    options = {**spec_options, **options}
+    cls = COMPRESSORS[name]
+    accepted = compressor_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"compressor {cls.name!r} has no option {unknown}; its options are {accepted}")
+        raise ValueError(
+            f"compressor {cls.name!r} has no option {unknown}{_nearest(unknown[0], accepted)}; "
+            f"its options are {accepted}"
+        )
     return cls(**options)
+
+
+def split_options(compressor, options: dict, own, owner: str) -> tuple[dict, dict]:
+    """``(owner's options, the compressor's)`` from ``options``, which hold both.
+
+    Raises:
+        ValueError: an option that neither ``owner`` (whose options are ``own``)
+            nor the compressor takes, the nearest name and both lists said.
+    """
+    own = list(own)
+    mine = {k: v for k, v in options.items() if k in own}
+    rest = {k: v for k, v in options.items() if k not in own}
+    if isinstance(compressor, str):
+        name = parse_spec(compressor)[0]
+        accepted = compressor_options(name) if name in COMPRESSORS else []
+        what = f"compressor {name!r}" if name in COMPRESSORS else f"compressor={name!r}"
+    else:  # an instance (made with its options) or a chooser: nothing more to give it
+        accepted, what = [], f"a {type(compressor).__name__} instance"
+    unknown = sorted(set(rest) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"{owner} has no option {unknown}{_nearest(unknown[0], own + accepted)}; its options are {own}"
+            + (f", and {what}'s are {accepted}" if accepted else f"; {what} takes no compressor options")
+        )
+    return mine, rest
+
+
+def compressor_options(name: str) -> list[str]:
+    """The options compressor ``name`` takes."""
+    return [p for p in inspect.signature(COMPRESSORS[name.lower()].__init__).parameters if p != "self"]
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``(name, options)`` of a spec, the name lower-cased; the options' values as numbers,
+    booleans or strings (the compressor checks them).
+
+    Raises:
+        ValueError: ``name@value`` for a compressor without a main option, or an
+            option without ``=``.
+    """
+    name, at, value = spec.strip().partition("@")
+    if at:
+        option = SHORT_OPTION.get(name.lower())
+        if option is None:
+            raise ValueError(f"{spec!r}: only {sorted(SHORT_OPTION)} take name@value")
+        return name.lower(), {option: _value(value)}
+    name, _, rest = name.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{spec!r}: expected key=value, got {item!r}")
+        options[key.strip()] = _value(value)
+    return name.strip().lower(), options
+
+
+def _value(text: str):
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text  # a string option (index_dtype=int32); the compressor checks it
+
+
+def _nearest(name: str, names) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``names``, or nothing."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 __all__ = [
@@ -63,6 +165,9 @@ __all__ = [
     "Sign",
     "Ternary",
     "TopK",
+    "compressor_options",
     "get_compressor",
+    "parse_spec",
+    "split_options",
     "mix_seed",
 ]

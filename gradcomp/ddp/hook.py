@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from gradcomp import planner, streams
 from gradcomp.collectives import HIERARCHICAL, hierarchy_for, nodes_for_auto, queue_for, verify_settings
-from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.ddp.state import HookState
 
 
@@ -149,7 +149,7 @@ def register(
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
-    state_options = {k: options.pop(k) for k in STATE_OPTIONS if k in options}
+    state_options, options = split_options(compressor, options, STATE_OPTIONS, "register")
     group = state_options.setdefault("process_group", model.process_group)
     if group is not model.process_group and not (group is None and model.process_group is dist.group.WORLD):
         raise ValueError(

@@ -35,7 +35,7 @@ from gradcomp import planner, streams
 from gradcomp.collectives import as_chooser, verify_settings
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.reduce_scatter import check_reduce_scatter_compressor
-from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.ddp.checkpoint import Checkpointable
 from gradcomp.fsdp.state import RESIDUALS, FSDPOptions, FSDPState
 
@@ -94,7 +94,8 @@ def register(
     Every rank must call it with the same settings (ranks that differ raise).
     """
     units = fsdp_units(model)
-    fsdp_options = FSDPOptions(**{k: options.pop(k) for k in OPTIONS if k in options})
+    own, options = split_options(compressor, options, OPTIONS, "fsdp.register")
+    fsdp_options = FSDPOptions(**own)
     if replicate_group is None:
         if reduce_scatter is not None:
             raise ValueError(

@@ -33,7 +33,7 @@ except ImportError as error:  # the extra is missing
     ) from error
 
 from gradcomp import ddp, fsdp, planner
-from gradcomp.compressors import get_compressor
+from gradcomp.compressors import get_compressor, split_options
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,12 @@ class GradcompCallback(TrainerCallback):
         self.state: ddp.HookState | None = None
         self._model = None  # the DDP wrapper the hook is on
         self._plan_logged = False
-        hook_options = set(ddp.STATE_OPTIONS) | set(fsdp.OPTIONS)  # which one applies: at train()
-        if isinstance(compressor, str) and planner.is_auto(compressor):
-            if any(name not in hook_options for name in options):
-                raise ValueError(f"compressor='auto' takes no compressor options, got {sorted(options)}")
-        else:  # bad settings fail here, not at the first step
-            get_compressor(compressor, **{k: v for k, v in options.items() if k not in hook_options})
+        # Bad settings fail here, not at the first step (DDP's or FSDP2's options: which applies
+        # is known at train()).
+        hook_options = sorted(set(ddp.STATE_OPTIONS) | set(fsdp.OPTIONS))
+        _, compressor_options = split_options(compressor, options, hook_options, "GradcompCallback")
+        if not (isinstance(compressor, str) and planner.is_auto(compressor)):
+            get_compressor(compressor, **compressor_options)
 
     # ------------------------------------------------------------------ Trainer's events
     def on_train_begin(self, args, state, control, **kwargs):
