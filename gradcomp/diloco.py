@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import Chooser, ReduceStats, all_reduce, verify_settings
+from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
@@ -150,6 +151,7 @@ class DiLoCo:
         self.last_stats: ReduceStats | None = None
         ranks = InlineGroup(group)
         device = self.params[0].device
+        wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
         verify_settings(ranks, "gradcomp.DiLoCo's settings", self.settings(), device)
         source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
         with torch.no_grad():

@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import all_reduce, check_algorithm, key_of, settings_key
+from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.compressors import Compressor, NoCompression, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback
 
@@ -210,6 +212,7 @@ class CompressedAdam(torch.optim.Optimizer):
         self.last_bytes_sent = 0
         self._buckets = self._make_buckets(int(bucket_mb * 2**20))
         self._agreed = False
+        wait_for_every_rank(group, "CompressedAdam")  # a rank that never makes one: said, not hung
         if broadcast:
             self._broadcast()
 
@@ -355,8 +358,20 @@ class CompressedAdam(torch.optim.Optimizer):
             [b.numel for b in self._buckets],
             [tuple(_settings(g[k]) for k in _COMPRESSOR_KEYS) for g in self.param_groups],
         )
+        # The gradients' sums, to tell whether something reduced them already (below).
+        sums = [sum(float(g.double().sum()) for g in self._grads(b)) for b in self._buckets]
         everyone = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(everyone, described, group=self.process_group)
+        dist.all_gather_object(everyone, (*described, sums), group=self.process_group)
+        everyone, all_sums = [d[:-1] for d in everyone], [d[-1] for d in everyone]
+        if len(everyone) > 1 and any(sums) and all(other == sums for other in all_sums):
+            warnings.warn(
+                "CompressedAdam: the gradients are the same on every rank before it exchanges them: a "
+                "DistributedDataParallel model all-reduced them already, dense, in its backward pass "
+                "(or every rank computed the same ones). CompressedAdam exchanges them itself: give it the "
+                "module's parameters and train the module unwrapped, or run each backward under "
+                "model.no_sync(); last_bytes_sent counts CompressedAdam's bytes alone",
+                stacklevel=3,
+            )
         if any(d != described for d in everyone):
             lines = "\n".join(
                 f"  rank {r}: step {d[0]}, warmup_steps {d[1]}, algorithm {d[2]}, bucket sizes {d[3]}, "

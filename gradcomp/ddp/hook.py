@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from gradcomp import planner, streams
 from gradcomp.collectives import HIERARCHICAL, hierarchy_for, nodes_for_auto, queue_for, verify_settings
+from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.ddp.state import HookState
 
@@ -164,6 +165,7 @@ def register(
     else:
         compressor = get_compressor(compressor, **options)
     state = HookState(compressor, **state_options)
+    wait_for_every_rank(group, "gradcomp.ddp.register")  # a rank that never registers: said, not hung
     if "nccl" in str(dist.get_backend(group)) and any(
         isinstance(module, torch.nn.SyncBatchNorm) for module in model.modules()
     ):

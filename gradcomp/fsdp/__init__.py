@@ -25,6 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import warnings
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -33,6 +37,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gradcomp import planner, streams
 from gradcomp.collectives import as_chooser, verify_settings
+from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.reduce_scatter import check_reduce_scatter_compressor
 from gradcomp.compressors import Compressor, get_compressor, split_options
@@ -48,6 +53,8 @@ __all__ = [
     "FSDPState",
     "register",
 ]
+
+_REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unit -> its state
 
 OPTIONS = (
     "warmup_steps",
@@ -122,12 +129,22 @@ def register(
     gather = None if parameters is None else _scatter_compressor(parameters, {})
     if gather is not None:
         _check_gathered_dtypes(model, units)
+    registered = [name for name, module in model.named_modules() if module in _REGISTERED]
+    if registered:
+        raise RuntimeError(
+            f"gradcomp.fsdp.register was already called on this model (unit {registered[0] or '(root)'!r}): "
+            "a second call would replace the first's hooks and orphan its state and residuals. Register "
+            "once; to change the settings, shard a new model"
+        )
     state = FSDPState(replicate, scatter, replicate_group, fsdp_options, gather)
     device = _device_of(model)
     world = InlineGroup(None)
+    wait_for_every_rank(None, "gradcomp.fsdp.register")  # before the collectives below
     verify_settings(world, "gradcomp.fsdp.register's settings", state.settings(), device)
     if replicate_group is not None:
         _check_replicas(units, replicate_group, device)
+    else:
+        _warn_unreduced_replicas(model, units)
     for index, (unit, param_group) in enumerate(units):
         if scatter is not None:  # its groups made here, in unit order on every rank
             state.shard_group(param_group.mesh_info.shard_process_group)
@@ -137,6 +154,7 @@ def register(
             unit.set_all_reduce_hook(ReplicateHook(state, index, param_group))
         if scatter is not None:
             unit.set_custom_reduce_scatter(CompressedReduceScatter(state, index, param_group))
+        _REGISTERED[unit] = state
     return state
 
 
@@ -281,6 +299,26 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
     return torch.device("cpu")
+
+
+def _warn_unreduced_replicas(model: torch.nn.Module, units) -> None:
+    """Warn where shard groups apart hold the same model without a replicate_group: each
+    trains its replica with its own data and nothing all-reduces between them (a 2-D
+    mesh sharded on ``mesh["shard"]``), so the replicas drift apart. Groups holding
+    other models (pipeline stages) are left alone. A collective over the world."""
+    shards = dist.get_process_group_ranks(units[0][1].mesh_info.shard_process_group)
+    structure = repr([(name, tuple(p.shape)) for name, p in model.named_parameters()])
+    mine = (tuple(shards), hashlib.sha1(structure.encode()).hexdigest())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = sorted({ranks for ranks, kind in everyone if kind == mine[1]})
+    if len(groups) > 1:  # on every such rank alike: under -W error, all of them raise
+        warnings.warn(
+            f"gradcomp.fsdp.register: shard groups {groups} each hold this model and no replicate_group "
+            "was given: nothing all-reduces the gradients between them, so these replicas drift apart. "
+            "Pass replicate_group=mesh['replicate'].get_group() (custom HSDP), or shard on the whole mesh",
+            stacklevel=3,
+        )
 
 
 def _check_replicas(units, replicate_group: dist.ProcessGroup, device: torch.device) -> None:
