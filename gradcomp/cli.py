@@ -484,6 +484,14 @@ def _probe(args) -> int:
             left=(),
         )
     )
+    reasons = planner.unsupported_fits(rows, {"all_reduce": profile.link, **profile.links})
+    if reasons:
+        sys.stderr.write(
+            f"gradcomp probe: not writing {args.out}: the sizes measured cannot support these fits:\n"
+            + "".join(f"  {reason}\n" for reason in reasons)
+            + "Measure larger sizes, up to where a transfer takes milliseconds (--sizes 4K,64K,1M,4M)\n"
+        )
+        return 1
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0

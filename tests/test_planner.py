@@ -581,7 +581,7 @@ def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
     argv = [
         "probe",
         "--sizes",
-        "1K,16K",
+        "64K,4M",
         "--codec-sizes",
         "1K,16K",
         "--compressors",
@@ -604,6 +604,37 @@ def test_probe_command_writes_a_profile_that_plan_uses(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"100,000,000 fp32 parameters in {-(-100_000_000 // BUCKET)} buckets of 25 MB, 16 ranks" in text
     assert "auto picks:" in text and "Amdahl" in text
+
+
+def _rows(collective: str, points: list[tuple[int, float]]) -> list[dict]:
+    return [dict(collective=collective, numel=n, bytes_sent=4 * n, seconds=t) for n, t in points]
+
+
+def test_a_fit_the_sizes_cannot_support_is_named():
+    # 1 ms a message and 1 GB/s: 4M elements take 17 ms, most of it the transfer.
+    good = _rows("all_reduce", [(n, 1e-3 + 4 * n / 1e9) for n in (4096, 65536, 1 << 20, 4 << 20)])
+    flat = _rows("all_gather", [(4096, 2e-4), (65536, 1.9e-4)])  # jitter: no growth
+    small = _rows("all_to_all", [(4096, 1e-3), (65536, 1.03e-3)])  # latency hides the transfer
+    rows = good + flat + small
+    links = {name: planner.measure.fit_link([r for r in rows if r["collective"] == name], 2) for name in
+             ("all_reduce", "all_gather", "all_to_all")}  # fmt: skip
+    reasons = planner.unsupported_fits(rows, links)
+    assert len(reasons) == 2, reasons
+    assert reasons[0].startswith("all_gather: its time did not grow with the size (4,096 to 65,536 elements)")
+    assert reasons[1].startswith("all_to_all: at 65,536 elements the transfer is ")
+    assert planner.unsupported_fits(good, {"all_reduce": links["all_reduce"]}) == []
+
+
+def test_probe_refuses_to_write_a_fit_its_sizes_cannot_support(tmp_path, capsys, monkeypatch):
+    rows = _rows("all_reduce", [(4096, 1e-4), (65536, 0.9e-4)])
+    profile = planner.Profile("cpu", planner.measure.fit_link(rows, 2), {}, 2, "gloo, 2 ranks", {}, None)
+    monkeypatch.setattr(spawn, "run_ranks", lambda *args, **kwargs: (profile, rows))
+    out = tmp_path / "profile.json"
+    argv = ["probe", "--sizes", "4K,64K", "--codec-sizes", "64K", "--compressors", "int8", "--out", str(out)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"not writing {out}" in err and "all_reduce: its time did not grow with the size" in err
+    assert not out.exists()
 
 
 def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys):

@@ -42,6 +42,7 @@ from gradcomp.planner.measure import (
     measure_nodes,
     measure_pingpong,
     probe,
+    unsupported_fits,
 )
 from gradcomp.planner.model import (
     MARGIN,
@@ -97,5 +98,6 @@ __all__ = [
     "passes",
     "predict",
     "probe",
+    "unsupported_fits",
     "saves",
 ]

@@ -292,6 +292,39 @@ def fit_link(rows: list[dict], world_size: int) -> scale.Link:
     return scale.Link(line.rate, line.overhead / steps, _cpu_per_byte(rows))
 
 
+# The least share of the largest size's time that the transfer (bytes / bandwidth) must
+# take for a fit to tell the bandwidth apart from the per-message latency.
+MIN_TRANSFER_SHARE = 0.2
+
+
+def unsupported_fits(rows: list[dict], links: dict[str, scale.Link]) -> list[str]:
+    """Why the fitted ``links`` (per collective, as in ``rows``' ``collective``) say more
+    than ``rows`` measured, one reason a collective; empty where every fit holds.
+
+    A fit holds where the time grew with the size (else its bandwidth is the bound
+    :class:`Linear` puts on a flat line) and where, at the largest size, the transfer
+    takes at least ``MIN_TRANSFER_SHARE`` of the time (else latency and jitter hide it)."""
+    reasons = []
+    for name, link in links.items():
+        mine = [r for r in rows if r.get("collective", "all_reduce") == name]
+        if not mine:
+            continue
+        largest = max(mine, key=lambda r: r["bytes_sent"])
+        sizes = f"{min(r['numel'] for r in mine):,} to {largest['numel']:,} elements"
+        if link.bandwidth >= _FASTEST or len({r["numel"] for r in mine}) < 2:
+            reasons.append(
+                f"{name}: its time did not grow with the size ({sizes}), so no bandwidth can be fitted"
+            )
+            continue
+        share = largest["bytes_sent"] / link.bandwidth / largest["seconds"] if largest["seconds"] > 0 else 0
+        if share < MIN_TRANSFER_SHARE:
+            reasons.append(
+                f"{name}: at {largest['numel']:,} elements the transfer is {share:.0%} of the time, the rest "
+                f"latency and jitter, so the fitted {link.bandwidth * 8 / 1e9:.3g} Gbit/s is not measured"
+            )
+    return reasons
+
+
 def measure_codec(compressor: Compressor | str, sizes: list[int], device="cpu", repeat: int = 5) -> Codec:
     """Time the encode and decode of ``sizes`` random fp32 elements on ``device`` as the
     algorithms run them; fit each.
