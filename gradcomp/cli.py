@@ -26,6 +26,12 @@ _RATE = argument(parse_rate)
 _DURATION = argument(parse_duration)
 
 
+def _rate_text(text: str) -> str:
+    """A rate checked (``1gbit``) and kept as written, for a label."""
+    _RATE(text)
+    return text.strip().lower()
+
+
 def _runs(text: str) -> list[str]:
     names = split_list(text)
     try:
@@ -88,6 +94,13 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--epochs", type=_at_least(1), default=demo.Setup.epochs, help="passes over the data")
     run.add_argument("--world-size", type=_at_least(2), default=2, help="processes to spawn (default 2)")
+    run.add_argument(
+        "--link",
+        type=_rate_text,
+        default=demo.DEFAULT_LINK,
+        help="each rank's link in the last column, where each step is predicted on it (default "
+        f"{demo.DEFAULT_LINK}): over loopback, faster than any network, compression does not pay",
+    )
     run.add_argument(
         "--compressors",
         type=_runs,
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     rows = demo.run_demo(args.compressors, epochs=args.epochs, world_size=args.world_size)
     print(demo.describe(demo.Setup(epochs=args.epochs), rows))
-    print(demo.format_table(rows))
+    print(demo.format_table(rows, args.link))
     print(f"finished in {time.perf_counter() - began:.0f} s")
     return 0
 

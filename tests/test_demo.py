@@ -45,3 +45,15 @@ def test_demo_without_scikit_learn_says_what_to_install(monkeypatch, capsys):
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
     assert 'pip install -e ".[demo]"' in err and err.count("\n") == 1
+
+
+def test_the_last_column_predicts_each_step_on_a_slower_link():
+    nan = float("nan")
+    dense = demo.Row("dense", 1e6, 1.0, 2.0, nan, nan, 0, 0.1, 0.9)  # 1 MB a step: 8 ms at 1 Gbit/s
+    int8 = demo.Row("int8", 2.5e5, 4.0, 3.0, 0.5, 0.01, 3, 0.1, 0.9)  # slower on loopback, 2 ms
+    table = demo.format_table([dense, int8])
+    header, _, first, second = table.splitlines()[:4]
+    assert header.rstrip().endswith("step ms at 1gbit (predicted)")
+    assert first.split()[-1] == "10.00" and second.split()[-1] == "5.00"  # where compression pays
+    assert "predicted" not in demo.format_table([dense], link=None)
+    assert demo.format_table([dense], link="100mbit").splitlines()[2].split()[-1] == "82.00"
