@@ -160,7 +160,7 @@ def train_fsdp(how: str, compressor: str | None, model, data, device: torch.devi
         elif how == "fsdp hierarchical":
             gradcomp.fsdp.register(model, compressor, scatter_algorithm="hierarchical", node_size=1)
         else:
-            gradcomp.fsdp.register(model, compressor, residual="full")
+            gradcomp.fsdp.register(model, compressor, residual="fp32")
     elif replicate is not None:  # dense custom HSDP: the replicas' mean by torch's all-reduce
 
         def mean(output: torch.Tensor) -> None:

@@ -324,7 +324,7 @@ def no_host_syncs(device: torch.device, width: int, entry: dict) -> None:
         "DDP hook, topk": lambda: ddp("topk"),
         "DDP hook, randk": lambda: ddp("randk"),
         "FSDP2 custom HSDP": lambda: fsdp(replicate_group=world),
-        "FSDP2 reduce-scatter": lambda: fsdp(residual="full"),
+        "FSDP2 reduce-scatter": lambda: fsdp(residual="fp32"),
         "FSDP2 parameter all-gather": lambda: fsdp(parameters="int8"),
         "CompressedAdam": adam,
         "DiLoCo": None,

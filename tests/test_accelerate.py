@@ -83,7 +83,7 @@ def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | N
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
     if fsdp2:  # the reduce-scatter compressed, with error feedback: residuals to checkpoint
-        state = gradcomp.fsdp.register(model, "int8", residual="full")
+        state = gradcomp.fsdp.register(model, "int8", residual="fp32")
     else:
         state = gradcomp.ddp.register(model, "int8", min_numel=0)
     checkpoint_residuals(accelerator, state)

@@ -391,7 +391,7 @@ def _hook_reduces_over_the_models_group(rank: int, world_size: int) -> None:
     # The same as dense DDP over the pair, not an average over all four ranks.
     assert torch.equal(flat_parameters(model), flat_parameters(baseline))
     with pytest.raises(ValueError, match="model.process_group"):
-        register(DDP(make_model(), process_group=mine), "int8", process_group=other)
+        register(DDP(make_model(), process_group=mine), "int8", group=other)
 
 
 @pytest.mark.slow
@@ -410,8 +410,22 @@ def test_register_rejects_bad_arguments():
         HookState("topk", algorithm="dense")
 
 
+def test_old_option_names_still_work_with_a_future_warning():
+    group = object()
+    with pytest.warns(FutureWarning, match="process_group= is now group="):
+        state = HookState("int8", process_group=group)
+    assert state.process_group is group
+    with pytest.warns(FutureWarning, match="residual_dtype= is now residual="):
+        assert HookState("int8", residual_dtype="grad").feedback.dtype == "grad"
+    assert HookState("int8", residual="grad").feedback.dtype == "grad"
+    with pytest.raises(TypeError, match="give one of them"):
+        HookState("int8", group=group, process_group=object())
+    with pytest.warns(FutureWarning, match="residual='full' is now residual='fp32'"):
+        assert gradcomp.fsdp.FSDPOptions(residual="full").residual == "fp32"
+
+
 def test_state_pickles_without_process_group():
-    state = HookState("int8", process_group=object())
+    state = HookState("int8", group=object())
     clone = pickle.loads(pickle.dumps(state))
     assert clone.process_group is None and clone.compressor.settings() == state.compressor.settings()
 

@@ -182,7 +182,7 @@ def test_accumulation_sends_once_and_holds_back_what_it_must():
 
 
 def _reduce_scatter_gradients(rank: int, world: int) -> None:
-    cases = (("bf16", None, 0.005), ("int8", "full", 0.03), ("int8", "bf16", 0.03), ("int8", None, 0.03))
+    cases = (("bf16", None, 0.005), ("int8", "fp32", 0.03), ("int8", "bf16", 0.03), ("int8", None, 0.03))
     for compressor, residual, bound in cases:
         shard_mesh, _ = _meshes(world, hsdp=False)
         model, reference = _sharded(shard_mesh), _net()
@@ -195,7 +195,7 @@ def _reduce_scatter_gradients(rank: int, world: int) -> None:
         if residual is None or compressor == "bf16":
             assert not kept
         else:
-            assert kept == {torch.float32 if residual == "full" else torch.bfloat16}
+            assert kept == {torch.float32 if residual == "fp32" else torch.bfloat16}
         stats = state.last_stats
         ratio = {"bf16": 2, "int8": 3.9}[compressor]
         assert stats.dense_bytes / stats.bytes_sent >= ratio * 0.95
@@ -323,7 +323,7 @@ def _train(model, state, steps, world, rank, lr=0.05):
 
 def _resume(rank: int, world: int) -> None:
     shard_mesh, replicas = _meshes(world, hsdp=True)
-    options = {"replicate_group": replicas, "reduce_scatter": "int8", "residual": "full"}
+    options = {"replicate_group": replicas, "reduce_scatter": "int8", "residual": "fp32"}
     straight = _sharded(shard_mesh)
     state = gradcomp.fsdp.register(straight, "int4", **options)
     _train(straight, state, range(2), world, rank)

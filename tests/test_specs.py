@@ -78,7 +78,7 @@ def _every_entry_point(rank: int, world: int) -> None:
     fsdp_state = gradcomp.fsdp.register(sharded, "int4:block=128")
     assert fsdp_state.reduce_scatter.settings() == gradcomp.get_compressor("int4", block=128).settings()
     with pytest.raises(ValueError, match=r"no option \['residul'\] \(did you mean 'residual'\?\)"):
-        gradcomp.fsdp.register(sharded, "int8", residul="full")
+        gradcomp.fsdp.register(sharded, "int8", residul="fp32")
 
     # DiLoCo
     net = torch.nn.Linear(16, 16)

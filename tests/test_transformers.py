@@ -206,7 +206,7 @@ def _fsdp2_trains_compressed(rank: int, world: int, root: str) -> dict:
 
     dense = _trainer(os.path.join(root, "dense"), [], trainer_class=_FSDPOnCPUTrainer, **FSDP2)
     dense.train()
-    callback = GradcompCallback("int8", residual="full")  # error feedback: state to resume
+    callback = GradcompCallback("int8", residual="fp32")  # error feedback: state to resume
     compressed = _trainer(
         os.path.join(root, "int8"), [callback], trainer_class=_FSDPOnCPUTrainer,
         save_strategy="steps", save_steps=3, **FSDP2,
@@ -224,7 +224,7 @@ def _fsdp2_trains_compressed(rank: int, world: int, root: str) -> dict:
     assert os.path.exists(os.path.join(root, "int8", "checkpoint-3", f"gradcomp_rank{rank}.pt"))
     resumed = _trainer(
         os.path.join(root, "int8"),
-        [GradcompCallback("int8", residual="full")],
+        [GradcompCallback("int8", residual="fp32")],
         trainer_class=_FSDPOnCPUTrainer,
         **FSDP2,
     )

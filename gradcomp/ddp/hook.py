@@ -125,8 +125,12 @@ def _value(future: torch.futures.Future) -> torch.Tensor:
 
 
 # The HookState options register() takes; every other keyword goes to the compressor.
+# The options' old names, still taken (with a FutureWarning): not listed.
+OLD_NAMES = ("process_group", "residual_dtype")
 STATE_OPTIONS = tuple(
-    name for name in inspect.signature(HookState.__init__).parameters if name not in ("self", "compressor")
+    name
+    for name in inspect.signature(HookState.__init__).parameters
+    if name not in ("self", "compressor", *OLD_NAMES)
 )
 
 
@@ -136,13 +140,13 @@ def register(
     """Register gradcomp's hook on ``model`` in one call and return its state.
 
     ``options`` holds both :class:`HookState` options (``warmup_steps``,
-    ``min_numel``, ``process_group``, ``algorithm``, ``node_size``,
-    ``inter_algorithm``, ``residual_dtype``, ``measure_error``, ``history``;
+    ``min_numel``, ``group``, ``algorithm``, ``node_size``,
+    ``inter_algorithm``, ``residual``, ``measure_error``, ``history``;
     with ``"auto"``: ``allow``, ``profile``, ``check_every``, ``drift``,
     ``replan_every``, ``trial_steps``) and the compressor's own (``ratio``, ``block``, ...).
     The hook reduces over the group the model was built on
-    (``DistributedDataParallel(..., process_group=...)``); a
-    ``process_group`` given here must be that group.
+    (``DistributedDataParallel(..., process_group=...)``); a ``group`` given
+    here must be that group.
 
     Example:
         >>> state = gradcomp.ddp.register(ddp_model, "topk", ratio=0.01, warmup_steps=50)
@@ -150,11 +154,14 @@ def register(
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
-    state_options, options = split_options(compressor, options, STATE_OPTIONS, "register")
-    group = state_options.setdefault("process_group", model.process_group)
+    state_options, options = split_options(compressor, options, (*STATE_OPTIONS, *OLD_NAMES), "register")
+    if "group" in state_options or "process_group" in state_options:
+        group = state_options.get("group", state_options.get("process_group"))
+    else:
+        group = state_options["group"] = model.process_group
     if group is not model.process_group and not (group is None and model.process_group is dist.group.WORLD):
         raise ValueError(
-            "process_group differs from the group the DistributedDataParallel model reduces over "
+            "group differs from the group the DistributedDataParallel model reduces over "
             "(model.process_group): the hook must reduce over the model's group"
         )
     if isinstance(compressor, str) and planner.is_auto(compressor):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from gradcomp import planner
 from gradcomp.collectives import HIERARCHICAL, check_algorithm, check_hierarchy_options, check_node_size
@@ -33,7 +34,8 @@ class HookOptions:
             ``"hierarchical"`` (None: from the compressor and the group's size).
         node_size, inter_algorithm: for ``"hierarchical"``, ranks per node and
             the algorithm between nodes (see :func:`gradcomp.all_reduce`).
-        residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`~gradcomp.ErrorFeedback`).
+        residual_dtype: ``"fp32"`` or ``"grad"`` (see :class:`~gradcomp.ErrorFeedback`);
+            :class:`HookState` and ``register`` take it as ``residual``.
         measure_error: keep ``relative_error`` in the statistics (one more pass
             over each bucket, and on a GPU a host sync per bucket).
         history: how many :class:`StepStats` to keep (oldest dropped).
@@ -125,3 +127,14 @@ class AutoOptions:
             "trial_steps": self.trial_steps,
             "profile": "given" if self.profile is not None else "measured",
         }
+
+
+def renamed(old: str, old_value, new: str, new_value, default=None):
+    """The value of an option whose name changed from ``old`` to ``new``: ``old``'s, with a
+    ``FutureWarning``, where only it was given (``new_value`` still ``default``)."""
+    if old_value is None:
+        return new_value
+    if new_value is not default and new_value != default:
+        raise TypeError(f"{old}= is the old name of {new}=: give one of them")
+    warnings.warn(f"gradcomp: {old}= is now {new}=; {old}= will be removed", FutureWarning, stacklevel=4)
+    return old_value

@@ -25,7 +25,7 @@ from gradcomp.collectives import (
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.ddp.auto import DENSE, AutoController
 from gradcomp.ddp.checkpoint import SCHEMA_VERSION, restore_auto, saved_auto, upgrade
-from gradcomp.ddp.options import DEFAULT_TRIAL_STEPS, AutoOptions, HookOptions
+from gradcomp.ddp.options import DEFAULT_TRIAL_STEPS, AutoOptions, HookOptions, renamed
 from gradcomp.ddp.stats import StepLedger, StepStats
 from gradcomp.ddp.timing import timed_on_stream
 from gradcomp.ddp.trial import TRIAL_TURNS
@@ -40,10 +40,15 @@ class HookState:
     """State of :func:`gradcomp.ddp.hook`: compressor, residuals, step counter, statistics.
 
     Args:
-        compressor: a :class:`Compressor`, a compressor name, or ``"auto"``.
-        process_group: group to reduce over (default WORLD).
+        compressor: a :class:`Compressor`, a compressor spec, or ``"auto"``.
+        group: the group to reduce over (default WORLD), as ``all_reduce``,
+            CompressedAdam and DiLoCo call it (``process_group=``, the name torch's
+            hook states use, still works with a ``FutureWarning``).
+        residual: the residual's dtype, ``"fp32"`` (default) or ``"grad"`` (the
+            gradient's), as :func:`gradcomp.fsdp.register` calls it
+            (``residual_dtype=``: still works with a ``FutureWarning``).
         warmup_steps, min_numel, algorithm, node_size, inter_algorithm,
-            residual_dtype, measure_error, history: see :class:`HookOptions`.
+            measure_error, history: see :class:`HookOptions`.
         allow, profile, check_every, drift, replan_every, trial_steps: with
             ``compressor="auto"``, see :class:`AutoOptions`.
 
@@ -67,14 +72,14 @@ class HookState:
     def __init__(
         self,
         compressor: Compressor | str,
-        process_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
         warmup_steps: int = 0,
         min_numel: int = 1024,
         *,
         algorithm: str | None = None,
         node_size: int | None = None,
         inter_algorithm: str | None = None,
-        residual_dtype: str = "fp32",
+        residual: str = "fp32",
         measure_error: bool = False,
         history: int = 10_000,
         allow=None,
@@ -83,7 +88,11 @@ class HookState:
         drift: float | None = 0.5,
         replan_every: int | None = None,
         trial_steps: int | None = None,
+        process_group: dist.ProcessGroup | None = None,  # the old name of group
+        residual_dtype: str | None = None,  # the old name of residual
     ):
+        group = renamed("process_group", process_group, "group", group)
+        residual = renamed("residual_dtype", residual_dtype, "residual", residual, default="fp32")
         is_auto = isinstance(compressor, str) and planner.is_auto(compressor)
         given = (allow, profile, replan_every, trial_steps, check_every, drift)
         if not is_auto and given != (None, None, None, None, 10, 0.5):
@@ -96,7 +105,7 @@ class HookState:
             algorithm,
             node_size,
             inter_algorithm,
-            residual_dtype,
+            residual,
             measure_error,
             history,
         )
@@ -118,9 +127,9 @@ class HookState:
             self.compressor = get_compressor(compressor)
             self.options = options.check_for(self.compressor)
         ops.check_forced_backend()
-        self.process_group = process_group
+        self.process_group = group  # the attribute's name as in torch's hook states
         self.step = 0
-        self.feedback = ErrorFeedback(residual_dtype)
+        self.feedback = ErrorFeedback(residual)
         self.buckets = BucketLayouts(self.feedback)
         self.ledger = StepLedger(history)
         self.agreed = False  # whether the ranks' settings were compared (the first hook call)

@@ -4,6 +4,7 @@ residuals, the statistics, and the two reductions its comms run."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from gradcomp.ddp.stats import StepLedger, StepStats
 from gradcomp.feedback import ErrorFeedback
 
 SCHEMA_VERSION = 1
-RESIDUALS = ("full", "bf16", None)
+RESIDUALS = ("fp32", "bf16", None)
 _NONE = get_compressor("none")
 
 
@@ -50,7 +51,7 @@ class FSDPOptions:
         algorithm: the replicate all-reduce's algorithm (default from the
             compressor and the replicate group's size); not ``"hierarchical"``.
         residual: the reduce-scatter's error feedback: None (default: none),
-            ``"full"`` (an fp32 residual the size of the unit's unsharded
+            ``"fp32"`` (an fp32 residual the size of the unit's unsharded
             gradient: more memory than FSDP saves by sharding from 4 ranks on)
             or ``"bf16"`` (the same in bf16). On the LM task at 2 and 4 ranks,
             int8 ended within 1% of dense FSDP's loss with each of the three
@@ -82,6 +83,13 @@ class FSDPOptions:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.history, int) or self.history < 1:
             raise ValueError(f"history must be an int >= 1, got {self.history!r}")
+        if self.residual == "full":  # its old name
+            warnings.warn(
+                "gradcomp: residual='full' is now residual='fp32' (as the DDP hook's); 'full' goes",
+                FutureWarning,
+                stacklevel=4,
+            )
+            object.__setattr__(self, "residual", "fp32")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
         if self.scatter_algorithm not in ("flat", HIERARCHICAL):
@@ -327,6 +335,8 @@ class FSDPState:
             raise ValueError(
                 f"gradcomp FSDP state of schema {version!r}; this version reads {SCHEMA_VERSION}"
             )
+        if saved["settings"].get("residual") == "full":  # saved under its old name
+            saved = {**saved, "settings": {**saved["settings"], "residual": "fp32"}}
         if saved["settings"] != self.settings():
             differ = sorted(k for k in self.settings() if saved["settings"].get(k) != self.settings()[k])
             raise ValueError(f"the checkpoint's gradcomp FSDP settings differ in {differ}")

@@ -28,6 +28,7 @@ except ImportError as error:  # the extra is missing
 
 from gradcomp import ddp
 from gradcomp.compressors import get_compressor
+from gradcomp.ddp.hook import OLD_NAMES
 
 
 class GradientCompression(Callback):
@@ -134,5 +135,5 @@ def register_fabric(module, compressor="int8", **options) -> ddp.HookState:
 
 
 def _compressor_options(options: dict) -> dict:
-    hook = set(ddp.STATE_OPTIONS)
+    hook = {*ddp.STATE_OPTIONS, *OLD_NAMES}
     return {k: v for k, v in options.items() if k not in hook}
