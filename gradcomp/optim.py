@@ -117,9 +117,9 @@ class CompressedAdam(torch.optim.Optimizer):
         gradient_compressor: how gradients are exchanged while they are (the
             warm-up, and every step of a ``compressor=None`` group); default
             ``None``, dense.
-        warmup_steps: steps of AdamW before the second moment is frozen; on
-            the benchmarks' transformer freezing cost +5.9% loss after 60
-            of 600 steps and +0.9% after 120: give it a fifth of the run.
+        warmup_steps: steps of AdamW before the second moment is frozen;
+            frozen too early, it costs loss (bench/reports/convergence-cpu2-2026.md
+            holds the runs): give it about a fifth of the run.
         group: process group (default WORLD).
         algorithm: the compressed all-reduce's algorithm (default from the
             compressor and the group's size).

@@ -31,8 +31,8 @@ HIERARCHICAL = "hierarchical"
 # The world size from which Top-K takes two_phase by default. A rank sends
 # about (CAPACITY + 1) (W-1)/W k pairs there, (W-1) k in an all-gather: fewer
 # bytes from 4 ranks on. But the owner's re-selection reads 1/W of the tensor
-# more: at 4 ranks on a 2-core CPU two_phase took 2.1x the all-gather's time
-# with 25% fewer bytes (bench/README.md). From 8 ranks it sends 2.7x fewer.
+# more, which at 4 ranks costs more time than the bytes it saves on a CPU; from
+# 8 ranks the bytes saved dominate (bench/allreduce.py measures both).
 SPARSE_TWO_PHASE_FROM = 8
 
 

@@ -19,10 +19,10 @@ from gradcomp.compressors import Compressor
 from gradcomp.planner.profiles import Nodes, Profile
 from gradcomp.planner.specs import SAFE, from_spec, label
 
-# A compressor must be predicted this much faster than dense to be chosen: on the
-# 2-core CPU machine the model still misses by up to 30% for codecs on fast links
-# (and dense by more where it overlaps the backward pass; bench/reports/), and
-# gains there were 10-30%.
+# A compressor must be predicted this much faster than dense to be chosen: the
+# model misses most for codecs on fast links (and for dense where it overlaps the
+# backward pass), where the gains are small too; the margin chosen against the
+# alternatives is in bench/reports/auto-sweeps-cpu2-2026.md (run C).
 MARGIN = 0.25
 
 
