@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-
 from lib import link, spawning
 from lib.lm import load_corpus
 from lib.machine import machine
@@ -36,10 +35,14 @@ DENSE = "dense"
 
 
 def options() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--compressors", nargs="+", default=["int8", "auto"], help="specs beside dense")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps a run (default 300)")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="steps left out of the timing (default 20)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=20, help="steps left out of the timing (default 20)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="times the list runs, in turn (default 2)")
     parser.add_argument("--spawn", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--width", type=int, default=384, help="GPT-2 n_embd (default 384)")
@@ -129,7 +132,9 @@ def _train(rank: int, world: int, spec: str, settings: dict) -> dict:
     )
     trainer.train()
     evaluation = trainer.evaluate()
-    intervals = [b - a for a, b in zip(clock.ends, clock.ends[1:])][settings["warmup_steps"] :]
+    intervals = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True)][
+        settings["warmup_steps"] :
+    ]
     last = next(entry for entry in reversed(trainer.state.log_history) if "loss" in entry)
     record = {
         "run": spec,
@@ -152,18 +157,23 @@ def main() -> int:
     runs = [DENSE, *args.compressors]
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "bandwidth")}
     facts = machine(args.spawn, "gloo")
-    results = Results("trainer_train", facts, settings, directory=args.out or os.path.join("bench", "results"))
+    results = Results(
+        "trainer_train", facts, settings, directory=args.out or os.path.join("bench", "results")
+    )
     print(facts["machine"], "|", facts["link"])
     pooled: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="gradcomp-trainer-") as folder:
+    with tempfile.TemporaryDirectory(prefix="gradcomp-trainer-") as scratch:
         for round_ in range(args.rounds):
             for spec in runs:
-                record = spawning.spawn(_train, args.spawn, spec, {**settings, "folder": folder}, timeout=3600)
+                record = spawning.spawn(
+                    _train, args.spawn, spec, {**settings, "folder": scratch}, timeout=3600
+                )
                 entry = pooled.setdefault(spec, {**record, "intervals": [], "eval_losses": []})
                 entry["intervals"] += record["intervals"]
                 entry["eval_losses"].append(record["eval_loss"])
                 step = statistics.median(record["intervals"])
-                print(f"round {round_ + 1} {spec:>8}: step {step * 1e3:7.1f} ms, eval loss {record['eval_loss']:.4f}")
+                loss = record["eval_loss"]
+                print(f"round {round_ + 1} {spec:>8}: step {step * 1e3:7.1f} ms, eval loss {loss:.4f}")
     dense = pooled[DENSE]
     dense_step = statistics.median(dense["intervals"])
     records = []
