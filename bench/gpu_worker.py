@@ -249,7 +249,7 @@ def fsdp_kept_across_streams(device: torch.device, width: int, entry: dict) -> N
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from gradcomp.fsdp import _param_groups
+    from gradcomp.fsdp.comms import _param_groups
 
     def gradients(policy, delayed: bool) -> torch.Tensor:
         torch.manual_seed(0)

@@ -21,7 +21,7 @@ from test_fsdp import _batches, _meshes, _sharded
 from utils import run_ranks
 
 import gradcomp
-from gradcomp.fsdp import _param_groups
+from gradcomp.fsdp.comms import _param_groups
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402

@@ -35,6 +35,7 @@ except ImportError as error:  # the extra is missing
 from gradcomp import ddp, fsdp, planner
 from gradcomp.compressors import get_compressor, split_options
 from gradcomp.ddp.hook import OLD_NAMES
+from gradcomp.fsdp.comms import OPTIONS as FSDP_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class GradcompCallback(TrainerCallback):
         self._plan_logged = False
         # Bad settings fail here, not at the first step (DDP's or FSDP2's options: which applies
         # is known at train()).
-        hook_options = sorted({*ddp.STATE_OPTIONS, *OLD_NAMES, *fsdp.OPTIONS})  # which applies: at train()
+        hook_options = sorted({*ddp.STATE_OPTIONS, *OLD_NAMES, *FSDP_OPTIONS})  # which applies: at train()
         _, compressor_options = split_options(compressor, options, hook_options, "GradcompCallback")
         if not (isinstance(compressor, str) and planner.is_auto(compressor)):
             get_compressor(compressor, **compressor_options)
