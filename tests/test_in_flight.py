@@ -225,9 +225,9 @@ def _groups_keep_residuals_apart(rank: int, world_size: int) -> None:
             handle.wait()
         return results
 
-    gradcomp.collectives._DEFAULT_FEEDBACK.clear()
+    gradcomp.collectives.reduce._DEFAULT_FEEDBACK.clear()
     expected = reduce(asynchronous=False)
-    gradcomp.collectives._DEFAULT_FEEDBACK.clear()
+    gradcomp.collectives.reduce._DEFAULT_FEEDBACK.clear()
     late = _late_exchanges(DELAY) if rank == 1 else contextlib.nullcontext()
     with late, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

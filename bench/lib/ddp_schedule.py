@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import planner
-from gradcomp.collectives import nodes_for_auto, queue_for, ring_all_reduce_bytes
+from gradcomp.collectives import queue_for, ring_all_reduce_bytes
+from gradcomp.collectives.hierarchical import nodes_for_auto
 from gradcomp.spawn import RanksFailed
 from lib import link, spawning
 from lib.cluster import measure_levels

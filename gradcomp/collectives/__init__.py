@@ -5,6 +5,7 @@ in place, ``op`` "avg" or "sum", ``async_op`` returning a handle.
 
 The package, one concern a module, imports pointing down this list:
 
+* :mod:`~gradcomp.collectives.reduce`: :func:`all_reduce` and its :class:`Work`;
 * :mod:`~gradcomp.collectives.chooser`: the :class:`Chooser` protocol
   (``compressor="auto"`` and the like) and the registry of named choosers;
 * :mod:`~gradcomp.collectives.dispatch`: :func:`job_steps`, which runs a
@@ -32,29 +33,19 @@ The package, one concern a module, imports pointing down this list:
 
 from __future__ import annotations
 
-import functools
-import zlib
-from collections.abc import Hashable
-
-import torch
-import torch.distributed as dist
-
-from gradcomp import ops
-from gradcomp.collectives import shared_names
 from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
 from gradcomp.collectives.allgather import allgather_segments
 from gradcomp.collectives.chooser import (
     Chooser,
-    as_chooser,
-    chosen_steps,
     register_chooser,
     shared_chooser,
 )
 from gradcomp.collectives.dispatch import job_steps
-from gradcomp.collectives.hierarchical import check_node_size, hierarchy_for, nodes_for_auto
+from gradcomp.collectives.hierarchical import hierarchy_for
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.nodes import Hierarchy
 from gradcomp.collectives.policy import ALGORITHMS, HIERARCHICAL, check_algorithm, default_algorithm
+from gradcomp.collectives.reduce import Work, all_reduce, check_hierarchy_options, key_of, resolve_op
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, owner_ranges, two_phase_segments
 from gradcomp.collectives.worker import (
@@ -65,9 +56,6 @@ from gradcomp.collectives.worker import (
     queue_for,
     release_queues,
 )
-from gradcomp.compressors import Compressor, get_compressor
-from gradcomp.compressors.base import check_tensor
-from gradcomp.feedback import ErrorFeedback
 
 __all__ = [
     "ALGORITHMS",
@@ -103,188 +91,3 @@ __all__ = [
     "verify_agreement",
     "verify_settings",
 ]
-
-_OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
-
-
-class Work:
-    """Handle of an asynchronous :func:`all_reduce`, like ``dist.Work``."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: torch.futures.Future):
-        self._future = future
-
-    def wait(self) -> bool:
-        """Block until done; re-raises the collective's error. On CUDA the current
-        stream then waits for the reduction (the host does not)."""
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future:
-        """Future holding the :class:`ReduceStats` of the call. As with torch's own
-        ``Work.get_future()``, its ``wait()`` and ``then()`` callbacks are ordered
-        after the reduction on CUDA streams (the statistics hold the tensor)."""
-        return self._future
-
-
-def resolve_op(op) -> str:
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "avg"
-    if isinstance(op, str) and op.lower() in _OPS:
-        return _OPS[op.lower()]
-    raise ValueError(f"op must be 'avg' or 'sum' (or dist.ReduceOp.AVG / SUM), got {op!r}")
-
-
-def check_hierarchy_options(
-    compressor: Compressor, algorithm: str | None, node_size, inter_algorithm
-) -> None:
-    """``ValueError`` for ``node_size`` / ``inter_algorithm`` the algorithm cannot take."""
-    if algorithm != HIERARCHICAL and (node_size is not None or inter_algorithm is not None):
-        named = repr(algorithm) if algorithm else "the default algorithm"
-        raise ValueError(f"node_size and inter_algorithm apply to algorithm='hierarchical', not {named}")
-    check_node_size(node_size)
-    if inter_algorithm == HIERARCHICAL:
-        raise ValueError(
-            "inter_algorithm must be a flat algorithm (dense, allgather, two_phase), not 'hierarchical'"
-        )
-    if inter_algorithm is not None:
-        check_algorithm(compressor, inter_algorithm)
-
-
-def key_of(name: Hashable) -> int:
-    """A stable integer for a residual/random-stream name (same on every rank)."""
-    if isinstance(name, int):
-        return name
-    return zlib.crc32(repr(name).encode())
-
-
-# Residuals and call counters of all_reduce calls that pass no ErrorFeedback, per
-# group and compressor settings: a compressor given by name is a new object on every
-# call, but the same settings must find the same residuals (and not pile up); each
-# group's jobs run on a worker of their own, which orders nothing of another group's.
-_DEFAULT_FEEDBACK: dict[tuple, tuple[ErrorFeedback, dict]] = {}
-
-
-def _default_feedback(compressor: Compressor, group: dist.ProcessGroup) -> tuple[ErrorFeedback, dict]:
-    key = (group, settings_key(compressor))
-    entry = _DEFAULT_FEEDBACK.get(key)
-    if entry is None:
-        entry = _DEFAULT_FEEDBACK[key] = (ErrorFeedback(), {})
-    return entry
-
-
-def all_reduce(
-    tensor: torch.Tensor,
-    compressor: Compressor | Chooser | str,
-    group: dist.ProcessGroup | None = None,
-    op="avg",
-    async_op: bool = False,
-    *,
-    algorithm: str | None = None,
-    feedback: ErrorFeedback | bool | None = None,
-    name: Hashable | None = None,
-    step: int | None = None,
-    measure_error: bool = False,
-    node_size: int | None = None,
-    inter_algorithm: str | None = None,
-):
-    """Compressed, in-place all-reduce of ``tensor`` across ``group``.
-
-    Args:
-        tensor: floating tensor (fp32, fp16, bf16, fp64), same shape on every rank.
-        compressor: a :class:`Compressor`, a name for :func:`get_compressor`,
-            or a :class:`Chooser` (an object, or the name it is registered
-            under: :func:`register_chooser`), which picks the compressor and
-            algorithm on the worker, call by call. ``"auto"`` (or a
-            :class:`gradcomp.planner.Auto`) picks them for this size on this
-            group's measured link and device (the first call measures them).
-        group: process group (default WORLD).
-        op: ``"avg"`` (default, what gradients need) or ``"sum"``.
-        async_op: return a :class:`Work` at once instead of waiting.
-        algorithm: ``"dense"``, ``"allgather"``, ``"two_phase"`` or
-            ``"hierarchical"`` (dense inside each node, compressed between
-            nodes); default from the compressor and the group's size
-            (:func:`default_algorithm`).
-        feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
-            for none, or None for the default (residuals kept per compressor
-            settings and group, shared by the calls with equal settings on the group).
-        name: residual and random-stream key; give distinct names to distinct
-            tensors of one shape (default: the tensor's shape and dtype). Calls
-            under one name share the residual and run one after the other; a
-            name given to another tensor while a call under it is in flight is
-            warned of once.
-        step: step number for random streams (default: a per-name call counter).
-        measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
-            default: it reads the tensor and the residual once more (or
-            decodes once more, without feedback) and waits for the result.
-        node_size: ranks per node for ``"hierarchical"`` (consecutive ranks
-            of the group); default torchrun's ``LOCAL_WORLD_SIZE``, else the
-            ranks' host names. With ``"auto"``, the nodes it finds this way
-            let it weigh the hierarchical algorithm too.
-        inter_algorithm: the algorithm between nodes for ``"hierarchical"``
-            (default from the compressor and the number of nodes).
-
-    Returns:
-        ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
-        future holds them.
-
-    Example:
-        >>> c = gradcomp.get_compressor("int8")
-        >>> for p in model.parameters():
-        ...     gradcomp.all_reduce(p.grad, c, name=p_name)
-    """
-    chooser = as_chooser(compressor)
-    if chooser is not None and (algorithm is not None or inter_algorithm is not None):
-        named = repr(compressor) if isinstance(compressor, str) else type(compressor).__name__
-        raise ValueError(
-            f"compressor={named} chooses the algorithm: drop algorithm and inter_algorithm "
-            "(node_size, where given, says which ranks share a node)"
-        )
-    compressor = chooser or get_compressor(compressor)
-    check_tensor(tensor)
-    ops.check_forced_backend()
-    op = resolve_op(op)
-    if chooser is not None:
-        check_node_size(node_size)
-    else:
-        if algorithm is not None:
-            check_algorithm(compressor, algorithm)
-        check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
-    q = queue_for(group)
-    residuals, counters = _default_feedback(compressor, group or dist.group.WORLD)
-    if feedback is False:
-        residuals = None
-    elif isinstance(feedback, ErrorFeedback):
-        residuals = feedback
-    elif feedback not in (None, True):
-        raise TypeError(f"feedback must be an ErrorFeedback, True, False or None, got {feedback!r}")
-    name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
-    if step is None:
-        step = counters.get(name, 0)
-        counters[name] = step + 1
-    if chooser is not None:
-        job = Job(tensor, None, op, None, residuals, key_of(name), step, measure_error)
-        if q.world_size > 1:  # made here, in call order; a chooser weighs hierarchical on several nodes
-            job.hierarchy = nodes_for_auto(q, node_size)
-        steps = functools.partial(chosen_steps, chooser, job, q)
-    else:
-        algorithm = check_algorithm(compressor, algorithm, q.world_size)
-        job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
-        if algorithm == HIERARCHICAL:
-            job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
-        steps = functools.partial(job_steps, job, q)
-    state = job.state()
-    shared = shared_names.sharing(state, tensor, q)
-    future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce", state=state)
-    shared_names.submitted(state, tensor, q, future)
-    if shared:  # after the submit: whether it warns differs between ranks
-        shared_names.warn(shared, residuals, name)
-    if async_op:
-        return Work(future)
-    return future.wait()

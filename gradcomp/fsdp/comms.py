@@ -15,8 +15,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gradcomp import planner, streams
-from gradcomp.collectives import as_chooser, verify_settings
+from gradcomp.collectives import verify_settings
 from gradcomp.collectives.arrival import wait_for_every_rank
+from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.reduce_scatter import check_reduce_scatter_compressor
 from gradcomp.compressors import Compressor, get_compressor, split_options

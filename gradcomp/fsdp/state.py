@@ -16,11 +16,11 @@ from gradcomp.collectives import (
     ReduceStats,
     c10d,
     check_algorithm,
-    check_node_size,
     hierarchy_for,
     key_of,
 )
 from gradcomp.collectives.chooser import chosen_steps
+from gradcomp.collectives.hierarchical import check_node_size
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.parameter_gather import parameter_gather
 from gradcomp.collectives.reduce_scatter import (
