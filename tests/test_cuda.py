@@ -204,7 +204,9 @@ def test_availability_checks_driver_architecture_and_loading(
             assert cuda_backend.unavailable_reason(0) == expected
         assert (expected in caplog.text) if expected else not caplog.text
         # As if CuPy were installed: the backend is registered, and passed over.
-        monkeypatch.setitem(ops._REGISTRY, "cuda", (cuda_backend.is_available, cuda_backend.FUNCTIONS))
+        monkeypatch.setitem(
+            ops.dispatch._REGISTRY, "cuda", (cuda_backend.is_available, cuda_backend.FUNCTIONS)
+        )
         if expected is None:
             assert ops.implementation("sign_compress", torch.device("cuda", 0)) is FUNCTIONS["sign_compress"]
         else:
@@ -250,7 +252,7 @@ def test_a_built_fatbin_is_what_runs(tmp_path, monkeypatch):
 @on_gpu
 def test_cuda_backend_is_preferred_for_its_ops(monkeypatch):
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
-    monkeypatch.setattr(ops, "_CHOSEN", {})  # choices other tests made under their fakes
+    monkeypatch.setattr(ops.dispatch, "_CHOSEN", {})  # choices other tests made under their fakes
     cuda_backend.unavailable_reason.cache_clear()
     assert cuda_backend.unavailable_reason(torch.cuda.current_device()) is None
     for op in FUNCTIONS:

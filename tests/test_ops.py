@@ -823,10 +823,10 @@ def test_forced_backend_runs_and_cpu_tensors_default_to_the_cpu_backend(monkeypa
 def test_an_optional_backend_that_fails_to_import_fails_alike_at_every_use(monkeypatch):
     # Its package is there but its module does not import: the import's own error, every time,
     # never "not installed" and never a silent fallback to another backend.
-    monkeypatch.setitem(ops._OPTIONAL, "triton", ("gradcomp.ops.no_such_backend", "json"))
-    monkeypatch.delitem(ops._REGISTRY, "triton", raising=False)
-    monkeypatch.setattr(ops, "_FAILED", {})
-    monkeypatch.setattr(ops, "_ABSENT", set())
+    monkeypatch.setitem(ops.dispatch._OPTIONAL, "triton", ("gradcomp.ops.no_such_backend", "json"))
+    monkeypatch.delitem(ops.dispatch._REGISTRY, "triton", raising=False)
+    monkeypatch.setattr(ops.dispatch, "_FAILED", {})
+    monkeypatch.setattr(ops.dispatch, "_ABSENT", set())
     for _ in range(2):
         with pytest.raises(ModuleNotFoundError, match="no_such_backend"):
             ops.functions("triton")
@@ -851,9 +851,9 @@ def test_a_backends_availability_is_the_test_it_was_registered_with():
 
 
 def test_the_availability_of_a_backend_not_installed_is_refused(monkeypatch):
-    monkeypatch.setitem(ops._OPTIONAL, "cuda", ("gradcomp.ops.cuda_backend", "no_such_package"))
-    monkeypatch.delitem(ops._REGISTRY, "cuda", raising=False)
-    monkeypatch.setattr(ops, "_ABSENT", set())
+    monkeypatch.setitem(ops.dispatch._OPTIONAL, "cuda", ("gradcomp.ops.cuda_backend", "no_such_package"))
+    monkeypatch.delitem(ops.dispatch._REGISTRY, "cuda", raising=False)
+    monkeypatch.setattr(ops.dispatch, "_ABSENT", set())
     with pytest.raises(RuntimeError, match="'cuda' is not installed"):
         ops.availability("cuda")
 
@@ -864,8 +864,8 @@ def test_topk_dispatches_to_the_one_pass_backend_before_the_radix_select(monkeyp
     device = torch.device("cuda", 0)
     fakes = {name: {op: object() for op in ops.OP_NAMES} for name in ("triton", "cuda")}
     for name, functions in fakes.items():
-        monkeypatch.setitem(ops._REGISTRY, name, (lambda device: True, functions))
-    monkeypatch.setattr(ops, "_CHOSEN", {})
+        monkeypatch.setitem(ops.dispatch._REGISTRY, name, (lambda device: True, functions))
+    monkeypatch.setattr(ops.dispatch, "_CHOSEN", {})
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
     assert ops.implementation("topk_select", device) is fakes["triton"]["topk_select"]
     for op in set(ops.OP_NAMES) - {"topk_select"}:
