@@ -33,27 +33,49 @@ The package, one concern a module, imports pointing down this list:
 
 from __future__ import annotations
 
-from gradcomp.collectives.agreement import settings_key, verify_agreement, verify_settings
-from gradcomp.collectives.allgather import allgather_segments
+from gradcomp.collectives.agreement import settings_key as settings_key
+from gradcomp.collectives.agreement import verify_agreement as verify_agreement
+from gradcomp.collectives.agreement import verify_settings as verify_settings
+from gradcomp.collectives.allgather import allgather_segments as allgather_segments
 from gradcomp.collectives.chooser import (
     Chooser,
     register_chooser,
-    shared_chooser,
 )
-from gradcomp.collectives.dispatch import job_steps
-from gradcomp.collectives.hierarchical import hierarchy_for
-from gradcomp.collectives.job import Job
-from gradcomp.collectives.nodes import Hierarchy
-from gradcomp.collectives.policy import ALGORITHMS, HIERARCHICAL, check_algorithm, default_algorithm
-from gradcomp.collectives.reduce import Work, all_reduce, check_hierarchy_options, key_of, resolve_op
+from gradcomp.collectives.chooser import (
+    shared_chooser as shared_chooser,
+)
+from gradcomp.collectives.dispatch import job_steps as job_steps
+from gradcomp.collectives.hierarchical import hierarchy_for as hierarchy_for
+from gradcomp.collectives.job import Job as Job
+from gradcomp.collectives.nodes import Hierarchy as Hierarchy
+from gradcomp.collectives.policy import ALGORITHMS, HIERARCHICAL
+from gradcomp.collectives.policy import check_algorithm as check_algorithm
+from gradcomp.collectives.policy import default_algorithm as default_algorithm
+from gradcomp.collectives.reduce import Work, all_reduce
+from gradcomp.collectives.reduce import check_hierarchy_options as check_hierarchy_options
+from gradcomp.collectives.reduce import key_of as key_of
+from gradcomp.collectives.reduce import resolve_op as resolve_op
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
-from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, owner_ranges, two_phase_segments
+from gradcomp.collectives.two_phase import chunk_bounds as chunk_bounds
+from gradcomp.collectives.two_phase import chunk_length as chunk_length
+from gradcomp.collectives.two_phase import owner_ranges as owner_ranges
+from gradcomp.collectives.two_phase import two_phase_segments as two_phase_segments
 from gradcomp.collectives.worker import (
-    CollectiveQueue,
-    clone_group,
-    drive,
-    group_timeout,
-    queue_for,
+    CollectiveQueue as CollectiveQueue,
+)
+from gradcomp.collectives.worker import (
+    clone_group as clone_group,
+)
+from gradcomp.collectives.worker import (
+    drive as drive,
+)
+from gradcomp.collectives.worker import (
+    group_timeout as group_timeout,
+)
+from gradcomp.collectives.worker import (
+    queue_for as queue_for,
+)
+from gradcomp.collectives.worker import (
     release_queues,
 )
 
@@ -61,33 +83,10 @@ __all__ = [
     "ALGORITHMS",
     "HIERARCHICAL",
     "Chooser",
-    "CollectiveQueue",
-    "Hierarchy",
-    "Job",
     "ReduceStats",
     "Work",
     "all_reduce",
-    "allgather_segments",
-    "check_algorithm",
-    "check_hierarchy_options",
-    "chunk_bounds",
-    "chunk_length",
-    "clone_group",
-    "default_algorithm",
-    "drive",
-    "group_timeout",
-    "hierarchy_for",
-    "job_steps",
-    "key_of",
-    "owner_ranges",
-    "queue_for",
     "register_chooser",
     "release_queues",
-    "resolve_op",
     "ring_all_reduce_bytes",
-    "settings_key",
-    "shared_chooser",
-    "two_phase_segments",
-    "verify_agreement",
-    "verify_settings",
 ]

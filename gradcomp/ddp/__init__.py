@@ -26,37 +26,38 @@ worker does with a bucket), :mod:`~gradcomp.ddp.options` (frozen options),
 trials) and :mod:`~gradcomp.ddp.timing` (its clocks).
 """
 
-from gradcomp.ddp.auto import AutoController, Phase
-from gradcomp.ddp.checkpoint import SCHEMA_VERSION, Checkpointable, load_rank_file, on_device, save_rank_file
-from gradcomp.ddp.hook import STATE_OPTIONS, hook, register
+from gradcomp.ddp.auto import AutoController as AutoController
+from gradcomp.ddp.auto import Phase as Phase
+from gradcomp.ddp.checkpoint import SCHEMA_VERSION as SCHEMA_VERSION
+from gradcomp.ddp.checkpoint import Checkpointable, load_rank_file, save_rank_file
+from gradcomp.ddp.checkpoint import on_device as on_device
+from gradcomp.ddp.hook import STATE_OPTIONS as STATE_OPTIONS
+from gradcomp.ddp.hook import hook, register
 from gradcomp.ddp.options import (
-    AUTO_MIN_WARMUP,
-    DEFAULT_TRIAL_STEPS,
-    MAX_TRIAL_STEPS,
+    AUTO_MIN_WARMUP as AUTO_MIN_WARMUP,
+)
+from gradcomp.ddp.options import (
+    DEFAULT_TRIAL_STEPS as DEFAULT_TRIAL_STEPS,
+)
+from gradcomp.ddp.options import (
+    MAX_TRIAL_STEPS as MAX_TRIAL_STEPS,
+)
+from gradcomp.ddp.options import (
     AutoOptions,
     HookOptions,
 )
 from gradcomp.ddp.state import HookState
 from gradcomp.ddp.stats import StepStats
-from gradcomp.ddp.trial import TRIAL_TURNS
+from gradcomp.ddp.trial import TRIAL_TURNS as TRIAL_TURNS
 
 __all__ = [
-    "AUTO_MIN_WARMUP",
-    "DEFAULT_TRIAL_STEPS",
-    "MAX_TRIAL_STEPS",
-    "SCHEMA_VERSION",
-    "STATE_OPTIONS",
-    "TRIAL_TURNS",
-    "AutoController",
     "AutoOptions",
     "Checkpointable",
     "HookOptions",
     "HookState",
-    "Phase",
     "StepStats",
     "hook",
     "load_rank_file",
-    "on_device",
     "register",
     "save_rank_file",
 ]

@@ -27,77 +27,98 @@ Example:
     [('int4', 'two_phase'), ('int8', 'allgather')]
 """
 
-from gradcomp.planner.auto import Auto, agreed_profile, checked_candidates, is_auto, link_sizes
+from gradcomp.planner.auto import Auto, is_auto
+from gradcomp.planner.auto import agreed_profile as agreed_profile
+from gradcomp.planner.auto import checked_candidates as checked_candidates
+from gradcomp.planner.auto import link_sizes as link_sizes
 from gradcomp.planner.measure import (
-    BUSY_SHAPE,
-    CODEC_REPEATS,
-    LINK_MAX,
-    busy,
-    default_device,
-    device_name,
-    fit_link,
-    measure_codec,
-    measure_collectives,
-    measure_link,
-    measure_nodes,
-    measure_pingpong,
+    BUSY_SHAPE as BUSY_SHAPE,
+)
+from gradcomp.planner.measure import (
+    CODEC_REPEATS as CODEC_REPEATS,
+)
+from gradcomp.planner.measure import (
+    LINK_MAX as LINK_MAX,
+)
+from gradcomp.planner.measure import (
+    busy as busy,
+)
+from gradcomp.planner.measure import (
+    default_device as default_device,
+)
+from gradcomp.planner.measure import (
+    device_name as device_name,
+)
+from gradcomp.planner.measure import (
+    fit_link as fit_link,
+)
+from gradcomp.planner.measure import (
+    measure_codec as measure_codec,
+)
+from gradcomp.planner.measure import (
+    measure_collectives as measure_collectives,
+)
+from gradcomp.planner.measure import (
+    measure_link as measure_link,
+)
+from gradcomp.planner.measure import (
+    measure_nodes as measure_nodes,
+)
+from gradcomp.planner.measure import (
+    measure_pingpong as measure_pingpong,
+)
+from gradcomp.planner.measure import (
     probe,
-    unsupported_fits,
+)
+from gradcomp.planner.measure import (
+    unsupported_fits as unsupported_fits,
 )
 from gradcomp.planner.model import (
-    MARGIN,
+    MARGIN as MARGIN,
+)
+from gradcomp.planner.model import (
     Prediction,
     best_plan,
-    dense_plan,
-    exposed_seconds,
-    flat_routes,
-    passes,
     predict,
-    routes,
-    runner_up,
-    saves,
 )
-from gradcomp.planner.profiles import STORED, Codec, Linear, Nodes, Profile, combine
+from gradcomp.planner.model import (
+    dense_plan as dense_plan,
+)
+from gradcomp.planner.model import (
+    exposed_seconds as exposed_seconds,
+)
+from gradcomp.planner.model import (
+    flat_routes as flat_routes,
+)
+from gradcomp.planner.model import (
+    passes as passes,
+)
+from gradcomp.planner.model import (
+    routes as routes,
+)
+from gradcomp.planner.model import (
+    runner_up as runner_up,
+)
+from gradcomp.planner.model import (
+    saves as saves,
+)
+from gradcomp.planner.profiles import STORED as STORED
+from gradcomp.planner.profiles import Codec as Codec
+from gradcomp.planner.profiles import Linear as Linear
+from gradcomp.planner.profiles import Nodes as Nodes
+from gradcomp.planner.profiles import Profile
+from gradcomp.planner.profiles import combine as combine
 from gradcomp.planner.specs import SAFE, from_spec, label
 
 __all__ = [
-    "BUSY_SHAPE",
-    "CODEC_REPEATS",
-    "LINK_MAX",
-    "MARGIN",
     "SAFE",
-    "STORED",
     "Auto",
-    "Codec",
-    "Linear",
-    "Nodes",
     "Prediction",
     "Profile",
-    "agreed_profile",
-    "busy",
-    "from_spec",
-    "checked_candidates",
-    "routes",
     "best_plan",
-    "combine",
-    "runner_up",
-    "default_device",
-    "dense_plan",
-    "device_name",
-    "exposed_seconds",
-    "fit_link",
+    "from_spec",
     "is_auto",
     "label",
-    "link_sizes",
-    "measure_codec",
-    "measure_collectives",
-    "measure_link",
-    "measure_nodes",
-    "measure_pingpong",
-    "flat_routes",
-    "passes",
     "predict",
     "probe",
-    "unsupported_fits",
-    "saves",
 ]
