@@ -46,7 +46,7 @@ import torch.distributed as dist
 from utils import gather, run_ranks, seeded_randn
 
 import gradcomp
-from gradcomp.collectives import group_timeout, queue_for, worker
+from gradcomp.collectives import group_timeout, groups, queue_for
 
 NCCL_CONFIG_UNDEF_INT = -(2**31)  # nccl.h: a config field left to NCCL's default
 
@@ -96,7 +96,7 @@ class NCCLModel:
     ``("init", ranks)``."""
 
     def __init__(self, world_options: ProcessGroupNCCL.Options):
-        self.real_new_group, self.real_backend_of = dist.new_group, worker._backend_of
+        self.real_new_group, self.real_backend_of = dist.new_group, groups._backend_of
         world = dist.group.WORLD
         world_options._timeout = group_timeout(world)
         world_options.group_name = world.group_name  # the default group's ranks stay []
@@ -104,11 +104,11 @@ class NCCLModel:
         self.made: list[tuple] = []
 
     def __enter__(self):
-        dist.new_group, worker._backend_of = self.new_group, self.backend_of
+        dist.new_group, groups._backend_of = self.new_group, self.backend_of
         return self
 
     def __exit__(self, *exc):
-        dist.new_group, worker._backend_of = self.real_new_group, self.real_backend_of
+        dist.new_group, groups._backend_of = self.real_new_group, self.real_backend_of
 
     def backend_of(self, group, device_type: str):
         return self.backends.get(group) if device_type == "cuda" else self.real_backend_of(group, device_type)

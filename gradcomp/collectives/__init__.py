@@ -45,6 +45,8 @@ from gradcomp.collectives.chooser import (
     shared_chooser as shared_chooser,
 )
 from gradcomp.collectives.dispatch import job_steps as job_steps
+from gradcomp.collectives.groups import clone_group as clone_group
+from gradcomp.collectives.groups import group_timeout as group_timeout
 from gradcomp.collectives.hierarchical import hierarchy_for as hierarchy_for
 from gradcomp.collectives.job import Job as Job
 from gradcomp.collectives.nodes import Hierarchy as Hierarchy
@@ -60,24 +62,10 @@ from gradcomp.collectives.two_phase import chunk_bounds as chunk_bounds
 from gradcomp.collectives.two_phase import chunk_length as chunk_length
 from gradcomp.collectives.two_phase import owner_ranges as owner_ranges
 from gradcomp.collectives.two_phase import two_phase_segments as two_phase_segments
-from gradcomp.collectives.worker import (
-    CollectiveQueue as CollectiveQueue,
-)
-from gradcomp.collectives.worker import (
-    clone_group as clone_group,
-)
-from gradcomp.collectives.worker import (
-    drive as drive,
-)
-from gradcomp.collectives.worker import (
-    group_timeout as group_timeout,
-)
-from gradcomp.collectives.worker import (
-    queue_for as queue_for,
-)
-from gradcomp.collectives.worker import (
-    release_queues,
-)
+from gradcomp.collectives.worker import CollectiveQueue as CollectiveQueue
+from gradcomp.collectives.worker import drive as drive
+from gradcomp.collectives.worker import queue_for as queue_for
+from gradcomp.collectives.worker import release_queues
 
 __all__ = [
     "ALGORITHMS",

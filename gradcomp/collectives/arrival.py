@@ -19,7 +19,7 @@ import threading
 
 import torch.distributed as dist
 
-from gradcomp.collectives.worker import group_timeout
+from gradcomp.collectives.groups import group_timeout
 
 _LOCK = threading.Lock()
 _CALLS: dict[str, int] = {}  # (what, ranks) -> calls made so far in this process

@@ -44,11 +44,12 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.groups import new_group_like
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.nodes import Hierarchy, Level
 from gradcomp.collectives.policy import default_algorithm
 from gradcomp.collectives.stats import ReduceStats, Timer, exchange
-from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, drive, new_group_like
+from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, drive
 from gradcomp.compressors import mix_seed
 
 logger = logging.getLogger(__name__)

@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import dataclasses
-import datetime
-import hashlib
 import inspect
 import logging
 import queue
@@ -50,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import streams
+from gradcomp.collectives.groups import clone_group, group_timeout
 from gradcomp.collectives.stats import profiled
 
 logger = logging.getLogger(__name__)
@@ -283,130 +281,6 @@ def _shares(touches: tuple | None, paused: list[tuple | None]) -> bool:
     if touches is None:
         return True
     return any(earlier is None or any(token in earlier for token in touches) for earlier in paused)
-
-
-def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A private group of ``group``'s ranks with its backends, timeout and options."""
-    return new_group_like(group, dist.get_process_group_ranks(group))
-
-
-def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
-    """A group of ``ranks`` (global ranks, a subset of ``group``'s) with
-    ``group``'s backends, timeout and options.
-
-    Created by the given ranks only (``use_local_synchronization``): every
-    rank must create the groups it belongs to in the same order. torch names
-    such a group after its ranks and how many groups this process already
-    holds, which differs between ranks that joined different subgroups
-    before (they would wait for each other under different names until the
-    timeout): the name here counts only gradcomp's groups of these ranks. With a
-    device-bound default group (``init_process_group(device_id=...)``),
-    torch would create it by splitting the default group's communicator, a
-    collective over every rank of the job, which the ranks outside ``ranks``
-    never join: for a group smaller than the job the binding is lifted for
-    the call, and the group connects on its own, among its ranks. NCCL
-    groups get fresh options with ``group``'s settings
-    (:func:`_nccl_options_like`), never its communicator's split source.
-    """
-    timeout = group_timeout(group)
-    options = {"timeout": timeout, "backend": dist.get_backend_config(group)}
-    nccl = _backend_of(group, "cuda")
-    if nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL":
-        options["pg_options"] = _nccl_options_like(nccl, timeout)
-    default = dist.distributed_c10d._get_default_group()
-    bound = getattr(default, "bound_device_id", None)
-    lift = bound is not None and len(ranks) < dist.get_world_size()
-    with _GROUPS_LOCK, _named(ranks):
-        if lift:
-            default.bound_device_id = None
-        try:
-            return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
-        finally:
-            if lift:
-                default.bound_device_id = bound
-
-
-# ncclConfig_t fields (as torch binds them) a new communicator takes from its
-# group's: the job's tuning (blocking calls, CTA counts, cluster size, network
-# plugin), nothing that names a communicator. Not split_share: it makes a split
-# child share its parent's internal resources, and the worker's group must
-# progress on its own beside the model's (a clone of the whole job is split).
-_NCCL_CONFIG_FIELDS = ("blocking", "cga_cluster_size", "min_ctas", "max_ctas", "net_name")
-
-
-def _nccl_options_like(nccl, timeout: datetime.timedelta | None):
-    """New ``ProcessGroupNCCL.Options`` with the settings of backend ``nccl``'s.
-
-    Not a copy: torch's ``_new_process_group_helper`` writes ``split_from``
-    and ``split_color`` into the options of a group it splits from a
-    device-bound default group, and overwrites them only where it splits
-    again, which it does not for the groups this module creates with the
-    binding lifted. With a copy's, ProcessGroupNCCL (``initNCCLComm``) would
-    split the new group's communicator from the default group's with the
-    colour of ``nccl``'s ranks, a collective of every rank that the ranks
-    outside the new group never join: a hang. ``global_ranks_in_group`` and
-    ``group_name`` are the new group's, set by torch.
-    """
-    parent = nccl.options
-    options = type(nccl).Options(is_high_priority_stream=parent.is_high_priority_stream)
-    if timeout is not None:
-        options._timeout = timeout  # torch warns where it differs from the group's timeout
-    config, fresh = getattr(parent, "config", None), getattr(options, "config", None)
-    if config is not None and fresh is not None:
-        for field in _NCCL_CONFIG_FIELDS:
-            value = getattr(config, field, None)
-            if value is not None:  # an unset net_name reads None; setting None would fail
-                setattr(fresh, field, value)
-    return options
-
-
-_GROUPS_LOCK = threading.Lock()
-_GROUPS_MADE: dict[tuple[int, ...], int] = {}  # ranks -> how many gradcomp groups of them this process made
-
-
-@contextlib.contextmanager
-def _named(ranks: list[int]):
-    """While creating gradcomp's group of ``ranks``: torch names it
-    ``gradcomp-<ranks>-<n>``, the n-th such group, a name every member agrees on."""
-    c10d = dist.distributed_c10d
-    original = getattr(c10d, "_process_group_name", None)
-    number = _GROUPS_MADE.get(tuple(ranks), 0)
-    _GROUPS_MADE[tuple(ranks)] = number + 1
-    if original is None:  # a torch that names groups otherwise: nothing to fix
-        yield
-        return
-    digest = hashlib.sha1(f"{sorted(ranks)}/{number}".encode(), usedforsecurity=False).hexdigest()
-
-    def name(of_ranks, use_hashed_name):
-        if use_hashed_name and sorted(of_ranks) == sorted(ranks):
-            return f"gradcomp-{digest}"
-        return original(of_ranks, use_hashed_name)
-
-    c10d._process_group_name = name
-    try:
-        yield
-    finally:
-        c10d._process_group_name = original
-
-
-def _backend_of(group: dist.ProcessGroup, device_type: str):
-    """``group``'s backend object for ``device_type``, or None."""
-    try:
-        return group._get_backend(torch.device(device_type))
-    except (RuntimeError, ValueError):
-        return None
-
-
-def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
-    """The timeout ``group`` was created with (None where torch does not say:
-    the clone then gets torch's default)."""
-    for device_type in ("cuda", "cpu"):
-        options = getattr(_backend_of(group, device_type), "options", None)
-        timeout = getattr(options, "_timeout", None)
-        if timeout is not None:
-            return timeout
-    logger.warning("gradcomp: cannot read the timeout of process group %s; its clone gets the default", group)
-    return None
 
 
 def drive(steps: Generator):
