@@ -281,3 +281,15 @@ def test_the_checks_find_a_planted_cycle_an_upward_import_and_a_missing_module(t
     assert _described(upward(edges)[0]) == (
         "gradcomp/ops/__init__.py:2: gradcomp.ops (ops) imports gradcomp.planner.model (planner)"
     )
+
+
+def test_every_package_of_the_tree_is_installed():
+    # pyproject.toml lists the packages: one missing from it is left out of a wheel.
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        listed = set(tomllib.load(file)["tool"]["setuptools"]["packages"])
+    inits = (ROOT / "gradcomp").rglob("__init__.py")
+    tree = {".".join(path.parent.relative_to(ROOT).parts) for path in inits}
+    assert sorted(tree - listed) == [], "packages missing from pyproject.toml"
+    assert sorted(listed - tree) == [], "pyproject.toml lists what is not a package"

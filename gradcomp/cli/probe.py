@@ -1,0 +1,81 @@
+"""``gradcomp probe``: measure this machine's link and codecs on spawned Gloo ranks and
+write the profile that ``plan`` and ``"auto"`` read, unless a fit says more than the
+sizes measured."""
+
+from __future__ import annotations
+
+import sys
+
+from gradcomp import demo, planner
+from gradcomp.tables import format_table
+from gradcomp.units import split_list
+
+
+def run(args) -> int:
+    from gradcomp import spawn
+
+    try:
+        specs = split_list(args.compressors)
+        planner.flat_routes(specs, None)  # unknown names and low-rank ones refused here
+    except (ValueError, TypeError) as error:
+        sys.stderr.write(f"gradcomp probe: {error}\n")
+        return 2
+    print(f"{demo.machine()}, {args.world_size} Gloo ranks on 127.0.0.1", flush=True)
+    profile, rows = spawn.run_ranks(
+        probe_rank, args.world_size, args.sizes, specs, args.codec_sizes, args.repeat
+    )
+    print(
+        format_table(
+            ["collective", "elements", "bytes sent/rank", "ms (slowest rank)", "Gbit/s", "transport CPU ms"],
+            [
+                [
+                    r["collective"],
+                    f"{r['numel']:,}",
+                    f"{r['bytes_sent']:,}",
+                    f"{r['seconds'] * 1e3:.3g}",
+                    f"{r['bytes_sent'] * 8 / r['seconds'] / 1e9:.3g}",
+                    f"{r['cpu_seconds'] * 1e3:.3g}" if "cpu_seconds" in r else "-",
+                ]
+                for r in rows
+            ],
+            left=(),
+        )
+    )
+    for name, link in (("all_reduce", profile.link), *profile.links.items()):
+        step = "one way" if name == "pingpong" else "per ring step"
+        cpu = link.cpu_seconds_per_byte
+        print(
+            f"fit, {name}: {link.latency * 1e6:.3g} us {step}, {link.bandwidth * 8 / 1e9:.3g} Gbit/s per rank"
+            + (f"; the transport takes {cpu * 1e9:.3g} ms of the host's CPU a MB sent" if cpu else "")
+        )
+    print(
+        format_table(
+            ["compressor", "encode M elem/s", "decode M elem/s", "encode overhead us", "decode overhead us"],
+            [
+                [
+                    name,
+                    f"{c.encode.rate / 1e6:.4g}",
+                    f"{c.decode.rate / 1e6:.4g}",
+                    f"{c.encode.overhead * 1e6:.3g}",
+                    f"{c.decode.overhead * 1e6:.3g}",
+                ]
+                for name, c in profile.codecs.items()
+            ],
+            left=(),
+        )
+    )
+    reasons = planner.unsupported_fits(rows, {"all_reduce": profile.link, **profile.links})
+    if reasons:
+        sys.stderr.write(
+            f"gradcomp probe: not writing {args.out}: the sizes measured cannot support these fits:\n"
+            + "".join(f"  {reason}\n" for reason in reasons)
+            + "Measure larger sizes, up to where a transfer takes milliseconds (--sizes 4K,64K,1M,4M)\n"
+        )
+        return 1
+    profile.save(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def probe_rank(rank, world_size, sizes: list[int], specs: list[str], codec_sizes: list[int], repeat: int):
+    return planner.probe(sizes, specs, codec_sizes, repeat=repeat, pingpong=True)
