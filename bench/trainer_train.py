@@ -27,7 +27,7 @@ import time
 
 import torch
 from lib import link, spawning
-from lib.lm import load_corpus
+from lib.lm import add_gpt_options, load_corpus
 from lib.machine import machine
 from lib.results import Results, publish, ratio
 
@@ -45,13 +45,7 @@ def options() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rounds", type=int, default=2, help="times the list runs, in turn (default 2)")
     parser.add_argument("--spawn", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--width", type=int, default=384, help="GPT-2 n_embd (default 384)")
-    parser.add_argument("--layers", type=int, default=6, help="GPT-2 n_layer (default 6)")
-    parser.add_argument("--heads", type=int, default=6, help="GPT-2 n_head (default 6)")
-    parser.add_argument("--context", type=int, default=128, help="tokens a window (default 128)")
-    parser.add_argument("--batch-size", type=int, default=4, help="windows per rank and step (default 4)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
-    parser.add_argument("--corpus-bytes", type=int, default=4_000_000, help="corpus bytes (default 4M)")
+    add_gpt_options(parser, width=384, layers=6, heads=6)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     link.add_bandwidth_option(parser)
     return parser
@@ -106,23 +100,13 @@ def _train(rank: int, world: int, spec: str, settings: dict) -> dict:
     clock = Clock()
     callbacks = [clock] if spec == DENSE else [clock, GradcompCallback(spec)]
     arguments = transformers.TrainingArguments(
-        output_dir=os.path.join(settings["folder"], f"{spec}-{rank}"),
-        per_device_train_batch_size=batch,
-        per_device_eval_batch_size=32,
-        learning_rate=settings["lr"],
-        weight_decay=0.1,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 20),
-        max_steps=steps,
-        logging_steps=max(1, steps // 10),
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-    )
+        output_dir=os.path.join(settings["folder"], f"{spec}-{rank}"), max_steps=steps,
+        per_device_train_batch_size=batch, per_device_eval_batch_size=32, dataloader_num_workers=0,
+        learning_rate=settings["lr"], weight_decay=0.1,  # AdamW, as the LM task's
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
+        logging_steps=max(1, steps // 10), save_strategy="no", report_to=[], disable_tqdm=True,
+        use_cpu=True, seed=0, data_seed=0,  # DDP on CPU ranks; every run the same batches
+    )  # fmt: skip
     trainer = transformers.Trainer(
         model=model,
         args=arguments,
