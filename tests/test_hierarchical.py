@@ -11,7 +11,16 @@ from test_collectives import DTYPE_SLACK, ERROR_BOUND
 from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
-from gradcomp.collectives import c10d, chunk_bounds, group_timeout, hierarchical, key_of, queue_for, scale
+from gradcomp.collectives import (
+    c10d,
+    chunk_bounds,
+    group_timeout,
+    hierarchical,
+    key_of,
+    queue_for,
+    scale,
+    shared_memory,
+)
 from gradcomp.compressors import mix_seed
 
 pytestmark = pytest.mark.slow  # every test spawns ranks
@@ -212,7 +221,7 @@ def _layouts(rank: int, world_size: int) -> None:
         assert group_timeout(level.group) == group_timeout(q.group)
     assert layout.shared_memory and layout.areas  # CPU tensors went through shared memory
     # A node that cannot share memory (here: no such folder) takes collectives, on every rank alike.
-    hierarchical.SHARED_MEMORY_DIR = "/nonexistent-gradcomp-test"
+    shared_memory.SHARED_MEMORY_DIR = "/nonexistent-gradcomp-test"
     fallback = gradcomp.collectives.hierarchy_for(q, 2)
     result = x.clone()
     gradcomp.all_reduce(result, "none", algorithm="hierarchical", node_size=2)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gradcomp import planner
 from gradcomp.collectives import queue_for, ring_all_reduce_bytes
-from gradcomp.collectives.hierarchical import nodes_for_auto
+from gradcomp.collectives.node_layout import nodes_for_auto
 from gradcomp.spawn import RanksFailed
 from lib import link, spawning
 from lib.cluster import measure_levels

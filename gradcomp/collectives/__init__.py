@@ -47,8 +47,8 @@ from gradcomp.collectives.chooser import (
 from gradcomp.collectives.dispatch import job_steps as job_steps
 from gradcomp.collectives.groups import clone_group as clone_group
 from gradcomp.collectives.groups import group_timeout as group_timeout
-from gradcomp.collectives.hierarchical import hierarchy_for as hierarchy_for
 from gradcomp.collectives.job import Job as Job
+from gradcomp.collectives.node_layout import hierarchy_for as hierarchy_for
 from gradcomp.collectives.nodes import Hierarchy as Hierarchy
 from gradcomp.collectives.policy import ALGORITHMS, HIERARCHICAL
 from gradcomp.collectives.policy import check_algorithm as check_algorithm

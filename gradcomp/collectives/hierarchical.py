@@ -32,24 +32,19 @@ raise instead of hanging; every node must hold the same number of ranks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
-import os
-import secrets
-import socket
 from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives.groups import new_group_like
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.nodes import Hierarchy, Level
 from gradcomp.collectives.policy import default_algorithm
+from gradcomp.collectives.shared_memory import map_shared, shared_area
 from gradcomp.collectives.stats import ReduceStats, Timer, exchange
-from gradcomp.collectives.worker import CollectiveQueue, all_gather_async, drive
+from gradcomp.collectives.worker import all_gather_async, drive
 from gradcomp.compressors import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -60,125 +55,6 @@ logger = logging.getLogger(__name__)
 FlatSteps = Callable[[Job, Level], Generator[None, None, ReduceStats]]
 # Mixed into a job's key for its shard's residual and random streams.
 _SHARD_KEY = 0x48494552
-# Where a node's ranks share memory for CPU tensors.
-SHARED_MEMORY_DIR = "/dev/shm"
-_OFFER_BYTES = 512  # the shared file's path and token, as local rank 0 broadcasts them
-_NO_LAYOUT = "no usable layout"  # a CollectiveQueue.hierarchies key: auto found none
-
-
-def check_node_size(node_size, world_size: int | None = None) -> None:
-    """``ValueError`` unless ``node_size`` is None or a positive integer dividing ``world_size``."""
-    if node_size is None:
-        return
-    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
-        raise ValueError(f"node_size must be a positive integer (ranks per node), got {node_size!r}")
-    if world_size is not None and world_size % node_size:
-        sizes = [min(node_size, world_size - start) for start in range(0, world_size, node_size)]
-        raise ValueError(
-            f"node_size={node_size} does not divide the group's {world_size} ranks "
-            f"(nodes would hold {sizes} ranks); the hierarchical all-reduce needs equal nodes"
-        )
-
-
-def hierarchy_for(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
-    """``q``'s group cut into nodes (created once per ``node_size`` setting, on
-    the caller's thread, in call order: the same order on every rank).
-
-    Raises:
-        ValueError: on every rank, if the ranks see different layouts or the
-            nodes hold different numbers of ranks.
-    """
-    check_node_size(node_size, q.world_size)
-    with q.lock:
-        existing = q.hierarchies.get(node_size)
-        if existing is None:
-            existing = q.hierarchies[node_size] = _build(q, node_size)
-        return existing
-
-
-def nodes_for_auto(q: CollectiveQueue, node_size: int | None) -> Hierarchy | None:
-    """The hierarchy ``auto`` may weigh: :func:`hierarchy_for`, or None where the layout
-    found from ``LOCAL_WORLD_SIZE`` or host names cannot serve (nodes of different sizes,
-    ranks that disagree; every rank sees the same views, so every rank gets None and
-    plans flat). A ``node_size`` the user gave still raises. Call it where
-    :func:`hierarchy_for` would be called (the caller's thread, in call order)."""
-    if node_size is not None:
-        return hierarchy_for(q, node_size)
-    if q.hierarchies.get(_NO_LAYOUT):
-        return None
-    try:
-        return hierarchy_for(q, None)
-    except ValueError as error:
-        logger.info("gradcomp auto: no usable node layout (%s); it plans flat", error)
-        q.hierarchies[_NO_LAYOUT] = True
-        return None
-
-
-def _views(q: CollectiveQueue, node_size: int | None) -> list[dict]:
-    """Every rank's view of the layout (its node_size, LOCAL_WORLD_SIZE and
-    host), exchanged through the store: no collective on a group the worker uses."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    mine = {
-        "node_size": node_size,
-        "local_world_size": int(local) if local else None,
-        "host": socket.gethostname(),
-    }
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"gradcomp/hierarchy/{q.group.group_name}/{q.layout_exchanges}"
-    q.layout_exchanges += 1
-    store.set(f"{prefix}/{q.rank}", json.dumps(mine))
-    return [json.loads(store.get(f"{prefix}/{r}")) for r in range(q.world_size)]
-
-
-def _node_ids(q: CollectiveQueue, views: list[dict]) -> tuple[list, str]:
-    """The node of every group rank and where the layout came from."""
-    described = ", ".join(f"rank {r}: {v['node_size']}" for r, v in enumerate(views))
-    if len({v["node_size"] for v in views}) > 1:
-        raise ValueError(f"ranks disagree on the hierarchical all-reduce's node_size ({described})")
-    node_size = views[0]["node_size"]
-    if node_size is not None:
-        return [r // node_size for r in range(q.world_size)], f"node_size={node_size}"
-    locals_ = {v["local_world_size"] for v in views}
-    if None not in locals_:
-        if len(locals_) > 1:
-            seen = ", ".join(f"rank {r}: {v['local_world_size']}" for r, v in enumerate(views))
-            raise ValueError(f"ranks disagree on LOCAL_WORLD_SIZE ({seen}); pass node_size= instead")
-        local = locals_.pop()
-        ranks = dist.get_process_group_ranks(q.group)
-        return [g // local for g in ranks], f"LOCAL_WORLD_SIZE={local}"
-    return [v["host"] for v in views], "host names"
-
-
-def _build(q: CollectiveQueue, node_size: int | None) -> Hierarchy:
-    views = _views(q, node_size)
-    ids, source = _node_ids(q, views)
-    nodes: dict[object, list[int]] = {}
-    for rank, node in enumerate(ids):
-        nodes.setdefault(node, []).append(rank)
-    layout = list(nodes.values())
-    sizes = [len(node) for node in layout]
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"the hierarchical all-reduce needs the same number of ranks on every node; "
-            f"by {source} the group's nodes hold {sizes} ranks"
-        )
-    here = next(i for i, node in enumerate(layout) if q.rank in node)
-    local = layout[here].index(q.rank)
-    ranks = dist.get_process_group_ranks(q.group)
-    # Every rank creates its node's group, then its local rank's: one global order.
-    intra_ranks = [ranks[r] for r in layout[here]]
-    inter_ranks = [ranks[node[local]] for node in layout]
-    intra = new_group_like(q.group, intra_ranks) if len(intra_ranks) > 1 else None
-    inter = new_group_like(q.group, inter_ranks) if len(inter_ranks) > 1 else None
-    # torch orders a group's ranks by global rank. A node's ranks are in rank order, so
-    # the node's group is in node order; the ranks between nodes need not be (nodes by
-    # host name with interleaved ranks: host A ranks 0 and 3, host B 1 and 2): place in
-    # that group and node differ there.
-    order = sorted(range(len(layout)), key=lambda node: inter_ranks[node])
-    one_host = len({views[r]["host"] for r in layout[here]}) == 1
-    intra_level = Level(intra, local, len(intra_ranks))
-    inter_level = Level(inter, order.index(here), len(layout))
-    return Hierarchy(layout, source, intra_level, inter_level, one_host)
 
 
 def hierarchical(
@@ -200,7 +76,7 @@ def hierarchical(
     wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
     # A reduce-scatter and an all-gather of shards: what a ring sends inside the node.
     stats.bytes_sent_intra = 2 * (size - 1) * shard_len * itemsize
-    area = _shared_area(hierarchy, shard_len * size, flat.dtype) if flat.device.type == "cpu" else None
+    area = shared_area(hierarchy, shard_len * size, flat.dtype) if flat.device.type == "cpu" else None
     if size == 1:
         shard = flat if flat.dtype == wide else flat.to(wide)
         _between_nodes(job, shard, hierarchy, stats, flat_steps)
@@ -367,7 +243,7 @@ def _decode_every_shard(
     key = ("payloads", nbytes)
     payloads = hierarchy.areas.get(key)
     if payloads is None:
-        mapped = _map_shared(intra, intra.world_size * nbytes, torch.uint8)
+        mapped = map_shared(intra, intra.world_size * nbytes, torch.uint8)
         if mapped is None:
             hierarchy.shared_memory = False  # decided by every rank of the node alike
             with Timer(stats):
@@ -416,87 +292,3 @@ def node_stages_only(hierarchy: Hierarchy) -> Hierarchy:
     shared areas of its own (freed with it)."""
     inter = Level(None, hierarchy.inter.rank, 1)
     return dataclasses.replace(hierarchy, inter=inter, areas={})
-
-
-@dataclasses.dataclass
-class SharedArea:
-    """A node's shared memory for tensors of one length and dtype: a row per
-    local rank and one for the result (``rows``), and for 16-bit tensors this
-    rank's shard in fp32 (``shard``, private; None for the others, whose
-    shard is summed in the result row)."""
-
-    rows: torch.Tensor
-    shard: torch.Tensor | None
-
-
-def _shared_area(hierarchy: Hierarchy, length: int, dtype: torch.dtype) -> SharedArea | None:
-    """The node's shared area for CPU tensors of ``length`` (made on first
-    use, with the node's ranks), or None where the node cannot share memory
-    (its ranks on different hosts, no ``/dev/shm``, not enough room there):
-    then the node's stages run as collectives."""
-    intra = hierarchy.intra
-    if intra.world_size == 1 or not hierarchy.shared_memory:
-        return None
-    key = (length, dtype)
-    area = hierarchy.areas.get(key)
-    if area is None:
-        rows = _map_shared(intra, (intra.world_size + 1) * length, dtype)
-        if rows is None:
-            hierarchy.shared_memory = False  # decided by every rank of the node alike
-            return None
-        narrow = dtype in (torch.float16, torch.bfloat16)
-        shard = torch.empty(length // intra.world_size, dtype=torch.float32) if narrow else None
-        area = hierarchy.areas[key] = SharedArea(rows.view(intra.world_size + 1, length), shard)
-    return area
-
-
-def _map_shared(intra: Level, count: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """``count`` elements of ``dtype`` mapped by every rank of the node, or
-    None on every rank if any cannot. Local rank 0 makes a file in
-    ``/dev/shm`` (space reserved up front: a full tmpfs fails here, not with
-    a bus error later) ending in a random token; the others open it by name
-    without creating it and check the token (a rank with another ``/dev/shm``
-    must not map a file of its own), and it is unlinked once all agree."""
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    offer = ""
-    if intra.rank == 0:
-        token = secrets.token_hex(8)
-        path = os.path.join(SHARED_MEMORY_DIR, f"gradcomp-{os.getpid()}-{token}")
-        try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(descriptor, 0, nbytes + len(token))
-                os.pwrite(descriptor, token.encode(), nbytes)
-            finally:
-                os.close(descriptor)
-            offer = f"{path}\n{token}"
-        except Exception as error:  # noqa: BLE001 - any failure: every rank takes collectives
-            logger.info("gradcomp: no shared memory for the node's stages (%s); using collectives", error)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-    encoded = torch.zeros(_OFFER_BYTES, dtype=torch.uint8)
-    if len(offer.encode()) <= _OFFER_BYTES:
-        encoded[: len(offer.encode())] = torch.tensor(list(offer.encode()), dtype=torch.uint8)
-    dist.broadcast(encoded, src=dist.get_global_rank(intra.group, 0), group=intra.group)
-    offer = bytes(encoded[encoded != 0].tolist()).decode()
-    name, _, token = offer.partition("\n")
-    mapped = None
-    if name:
-        try:
-            descriptor = os.open(name, os.O_RDONLY)  # never created here
-            try:
-                seen = os.pread(descriptor, len(token), nbytes).decode()
-            finally:
-                os.close(descriptor)
-            if seen != token:
-                raise OSError(f"{name} is not the file local rank 0 made (another /dev/shm?)")
-            mapped = torch.from_file(name, shared=True, size=count, dtype=dtype)
-        except (RuntimeError, OSError, UnicodeDecodeError) as error:
-            logger.info(
-                "gradcomp: cannot map the node's shared memory %s (%s); using collectives", name, error
-            )
-    agreed = torch.tensor([int(mapped is not None)], dtype=torch.int32)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=intra.group)
-    if intra.rank == 0 and name:
-        os.unlink(name)  # the mappings stay; the memory goes with the last of them
-    return mapped if int(agreed) else None

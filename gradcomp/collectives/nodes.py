@@ -1,7 +1,7 @@
 """A group cut into nodes: the two levels a ``hierarchical`` job runs over.
 
 Data only: :mod:`gradcomp.collectives.hierarchical` finds the layout and
-creates the groups (:func:`~gradcomp.collectives.hierarchical.hierarchy_for`);
+creates the groups (:func:`~gradcomp.collectives.node_layout.hierarchy_for`);
 a :class:`~gradcomp.collectives.job.Job` carries the result.
 """
 

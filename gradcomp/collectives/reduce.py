@@ -20,8 +20,8 @@ from gradcomp.collectives.chooser import (
     chosen_steps,
 )
 from gradcomp.collectives.dispatch import job_steps
-from gradcomp.collectives.hierarchical import check_node_size, hierarchy_for, nodes_for_auto
 from gradcomp.collectives.job import Job
+from gradcomp.collectives.node_layout import check_node_size, hierarchy_for, nodes_for_auto
 from gradcomp.collectives.policy import HIERARCHICAL, check_algorithm
 from gradcomp.collectives.worker import (
     queue_for,

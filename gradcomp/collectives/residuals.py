@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.collectives.hierarchical import hierarchy_for, shard_bounds, shard_key
+from gradcomp.collectives.hierarchical import shard_bounds, shard_key
+from gradcomp.collectives.node_layout import hierarchy_for
 from gradcomp.collectives.policy import HIERARCHICAL
 from gradcomp.collectives.two_phase import owner_key, owner_ranges
 from gradcomp.collectives.worker import CollectiveQueue

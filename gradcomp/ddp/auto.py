@@ -30,7 +30,7 @@ import time
 import torch
 
 from gradcomp import planner, streams
-from gradcomp.collectives.hierarchical import nodes_for_auto
+from gradcomp.collectives.node_layout import nodes_for_auto
 from gradcomp.compressors import Compressor, NoCompression
 from gradcomp.ddp.options import AutoOptions
 from gradcomp.ddp.timing import agreed_offsets, communication, ranks_max, ready_offsets

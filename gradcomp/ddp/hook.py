@@ -14,7 +14,7 @@ import torch.distributed as dist
 from gradcomp import planner, streams
 from gradcomp.collectives import HIERARCHICAL, hierarchy_for, queue_for, verify_settings
 from gradcomp.collectives.arrival import wait_for_every_rank
-from gradcomp.collectives.hierarchical import nodes_for_auto
+from gradcomp.collectives.node_layout import nodes_for_auto
 from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.ddp.state import HookState
 

@@ -8,7 +8,7 @@ import warnings
 
 from gradcomp import planner
 from gradcomp.collectives import HIERARCHICAL, check_algorithm, check_hierarchy_options
-from gradcomp.collectives.hierarchical import check_node_size
+from gradcomp.collectives.node_layout import check_node_size
 from gradcomp.compressors import Compressor
 
 # compressor="auto" reduces at least this many steps dense: DDP settles its

@@ -20,8 +20,8 @@ from gradcomp.collectives import (
     key_of,
 )
 from gradcomp.collectives.chooser import chosen_steps
-from gradcomp.collectives.hierarchical import check_node_size
 from gradcomp.collectives.inline import InlineGroup
+from gradcomp.collectives.node_layout import check_node_size
 from gradcomp.collectives.parameter_gather import parameter_gather
 from gradcomp.collectives.reduce_scatter import (
     compressed_reduce_scatter,
