@@ -346,12 +346,12 @@ def test_convergence_vision_task_trains_a_cnn(tmp_path):
     assert "CNN conv4-conv8-pool-10" in result.stdout
     rows, _ = read_results(tmp_path, stem("convergence-vision"))
     assert [r["run"] for r in rows] == ["dense", "powersgd (feedback)", "powersgd (no feedback)"]
-    # Bytes as the scale model counts them for this CNN's shapes: the 10 x 128
+    # Bytes as the cost model counts them for this CNN's shapes: the 10 x 128
     # layer factorised at rank 4, the convolutions (too small to pay) and biases dense.
     net = importlib.import_module("convergence").make_cnn(4, 10, seed=0)
     shapes = [tuple(p.shape) for p in net.parameters()]
     numel = sum(p.numel() for p in net.parameters())
-    expected = gradcomp.collectives.scale.cost("powersgd", numel, 2, shapes=shapes).bytes_sent
+    expected = gradcomp.collectives.cost_model.cost("powersgd", numel, 2, shapes=shapes).bytes_sent
     assert float(rows[1]["bytes_per_step"]) == expected < float(rows[0]["bytes_per_step"])
 
 
@@ -414,7 +414,7 @@ def test_convergence_lm_task_runs_diloco_and_counts_the_bytes_of_its_synchronisa
     )
     numel = sum(p.numel() for p in net.parameters())
     # Two synchronisations of int4 in six steps, rank 0's bytes.
-    int4 = gradcomp.collectives.scale.cost("int4", numel, 2).bytes_sent
+    int4 = gradcomp.collectives.cost_model.cost("int4", numel, 2).bytes_sent
     assert float(rows[1]["bytes_per_step"]) == pytest.approx(2 * int4 / 6, rel=1e-12)
     assert math.isfinite(float(rows[1]["validation_loss"]))
     # Two fragments, each exchanged twice in six steps, then both once more at the end
@@ -461,7 +461,7 @@ def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path)
     convergence = importlib.import_module("lib.convergence_lm")
     net = importlib.import_module("lib.lm").GPT(**convergence.LM_MODEL, seed=0)
     numel = sum(p.numel() for p in net.parameters())
-    cost = gradcomp.collectives.scale.cost
+    cost = gradcomp.collectives.cost_model.cost
     # Rank 0's bytes: two dense steps, then three of sign gathered; one bucket.
     sign = cost("sign", numel, 2, "allgather").bytes_sent
     expected = (2 * cost("none", numel, 2).bytes_sent + 3 * sign) / 5

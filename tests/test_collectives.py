@@ -12,7 +12,7 @@ import torch.distributed as dist
 from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
-from gradcomp.collectives import ALGORITHMS, chunk_bounds, default_algorithm, scale
+from gradcomp.collectives import ALGORITHMS, chunk_bounds, cost_model, default_algorithm
 from gradcomp.collectives.worker import IN_FLIGHT
 from gradcomp.compressors import Context
 
@@ -75,8 +75,8 @@ def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
                     dense_bytes = 2 * (world_size - 1) * numel * x.element_size() // world_size
                     assert stats.algorithm == algorithm and stats.dense_bytes == dense_bytes
                     assert stats.bytes_sent > 0, where
-                    if rank == 0:  # the scale model counts rank 0's bytes
-                        model = scale.cost(compressor, numel, world_size, algorithm, dtype)
+                    if rank == 0:  # the cost model counts rank 0's bytes
+                        model = cost_model.cost(compressor, numel, world_size, algorithm, dtype)
                         assert stats.bytes_sent == model.bytes_sent, where
 
 

@@ -14,11 +14,11 @@ import gradcomp
 from gradcomp.collectives import (
     c10d,
     chunk_bounds,
+    cost_model,
     group_timeout,
     hierarchical,
     key_of,
     queue_for,
-    scale,
     shared_memory,
 )
 from gradcomp.compressors import mix_seed
@@ -73,8 +73,8 @@ def _matches_dense(rank: int, world_size: int, shared: bool) -> None:
                         assert stats.bytes_sent_inter == 0 and stats.inter_algorithm == "", where
                     else:
                         assert stats.inter_algorithm == inner, where
-                        if local == 0 and rank == 0:  # the scale model counts the inner rank 0's bytes
-                            model = scale.cost(compressor, shard, nodes, inner, torch.float32)
+                        if local == 0 and rank == 0:  # the cost model counts the inner rank 0's bytes
+                            model = cost_model.cost(compressor, shard, nodes, inner, torch.float32)
                             assert stats.bytes_sent_inter == model.bytes_sent, where
                     assert stats.bytes_sent == stats.bytes_sent_intra + stats.bytes_sent_inter, where
                     dense = 2 * (world_size - 1) * numel * x.element_size() // world_size

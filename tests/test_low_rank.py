@@ -14,7 +14,7 @@ from utils import DTYPES, assert_conserved, gather, run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp import Context, get_compressor
-from gradcomp.collectives import Job, ReduceStats, job_steps, key_of, queue_for, scale
+from gradcomp.collectives import Job, ReduceStats, cost_model, job_steps, key_of, queue_for
 from gradcomp.collectives.low_rank import low_rank
 from gradcomp.compressors import low_rank as lr
 from gradcomp.feedback import ErrorFeedback
@@ -169,10 +169,10 @@ def test_bad_options_and_algorithms_raise():
     assert gradcomp.collectives.default_algorithm(compressor, 8) == "dense"
 
 
-def test_scale_model_counts_both_all_reduces():
+def test_cost_model_counts_both_all_reduces():
     numel = sum(math.prod(s) for s in SHAPES)
     fact = get_compressor("powersgd").factorization(SHAPES)
-    cost = scale.cost("powersgd", numel, 4, shapes=SHAPES)
+    cost = cost_model.cost("powersgd", numel, 4, shapes=SHAPES)
     first, second = 4 * (fact.p_numel + fact.dense_numel), 4 * fact.q_numel
     assert cost.bytes_sent == 2 * 3 * first // 4 + 2 * 3 * second // 4
     assert cost.steps == 2 * 2 * 3
@@ -214,7 +214,7 @@ def _all_reduce_properties(rank: int, world_size: int) -> None:
         total_out = torch.stack(gather(feedback.get(0).double())).sum(0) + world_size * tensor.double()
         torch.testing.assert_close(total_out, total_in, rtol=0, atol=1e-4)
         assert 0.3 < stats.relative_error < 1.0
-        expected = scale.cost(compressor, tensor.numel(), world_size, shapes=SHAPES).bytes_sent
+        expected = cost_model.cost(compressor, tensor.numel(), world_size, shapes=SHAPES).bytes_sent
         assert stats.bytes_sent == expected
     # The summed Q of the last step starts the next one, the same on every rank.
     warm = feedback.get(("powersgd.q", 0))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
-from gradcomp.collectives import scale
+from gradcomp.collectives import cost_model
 from gradcomp.optim import CompressedAdam
 
 BETAS = (0.9, 0.95)
@@ -78,7 +78,7 @@ def _warm_up_is_adamw(rank: int, world_size: int) -> None:
         assert torch.equal(flat(warming), flat(reference)), step
     for p, q in zip(reference.parameters(), exact.parameters(), strict=True):
         assert torch.equal(adamw.state[p]["exp_avg_sq"], never.state[q]["exp_avg_sq"])
-    dense = scale.cost("none", sum(p.numel() for p in exact.parameters()), world_size).bytes_sent
+    dense = cost_model.cost("none", sum(p.numel() for p in exact.parameters()), world_size).bytes_sent
     assert never.last_bytes_sent == later.last_bytes_sent == dense
 
 
@@ -140,7 +140,7 @@ def _compressed_phase(rank: int, world_size: int) -> None:
         momentum = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in model.parameters()])
         assert same_on_all_ranks(momentum)
         # (The model counts rank 0's bytes; two_phase's last chunk is short, so rank 1's differ.)
-        expected = scale.cost("none" if step < 3 else "sign", numel, world_size).bytes_sent
+        expected = cost_model.cost("none" if step < 3 else "sign", numel, world_size).bytes_sent
         assert rank != 0 or optimizer.last_bytes_sent == expected, (step, optimizer.last_bytes_sent, expected)
     # Each rank keeps its own residual of what sign dropped from its momentum.
     residual = optimizer.feedback.get(gradcomp.collectives.key_of(("momentum", 0)))
@@ -227,7 +227,10 @@ def _gradient_compressor_leftover(rank: int, world_size: int) -> None:
         backward(model, rank, step)
         optimizer.step()
         if step < 2:
-            assert rank != 0 or optimizer.last_bytes_sent == scale.cost("int4", numel, world_size).bytes_sent
+            assert (
+                rank != 0
+                or optimizer.last_bytes_sent == cost_model.cost("int4", numel, world_size).bytes_sent
+            )
             assert gradient in optimizer.feedback
         else:  # the warm-up's residual went into the momentum, once
             assert gradient not in optimizer.feedback and momentum in optimizer.feedback

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import gradcomp
 from gradcomp import cli, planner, spawn
-from gradcomp.collectives import scale, two_phase
+from gradcomp.collectives import cost_model, two_phase
 from gradcomp.compressors import BF16, Int8
 
 
@@ -21,7 +21,7 @@ def profile(bandwidth: float, latency: float = 20e-6, rate: float = 1e9, overhea
     """A profile of every safe compressor, each encoding and decoding at ``rate`` elements a second."""
     line = planner.Linear(overhead, rate)
     codecs = {name: planner.Codec(line, line) for name in ("bf16", "int8", "int4", "topk", "sign")}
-    return planner.Profile("test device", scale.Link(bandwidth, latency), codecs, 2, "injected")
+    return planner.Profile("test device", cost_model.Link(bandwidth, latency), codecs, 2, "injected")
 
 
 GBIT = 1e9 / 8
@@ -48,14 +48,14 @@ def test_a_prediction_is_the_scale_models_exchange_plus_the_algorithms_codec_pas
         ("bf16", "dense", (1, 1, 1, 1)),
     ):
         got = planner.predict(name, BUCKET, 4, p, algorithm)
-        cost = scale.cost(name, BUCKET, 4, algorithm)
+        cost = cost_model.cost(name, BUCKET, 4, algorithm)
         assert got.bytes_sent == cost.bytes_sent and got.exchange_seconds == cost.seconds(p.link)
         codec = p.codecs[name]
         expected = encode_calls * codec.encode.overhead + encode * BUCKET / codec.encode.rate
         expected += decode_calls * codec.decode.overhead + decode * BUCKET / codec.decode.rate
         assert got.codec_seconds == pytest.approx(expected) and got.seconds > got.exchange_seconds
     dense = planner.predict("none", BUCKET, 4, p)
-    assert dense.codec_seconds == 0 and dense.bytes_sent == scale.cost("none", BUCKET, 4).bytes_sent
+    assert dense.codec_seconds == 0 and dense.bytes_sent == cost_model.cost("none", BUCKET, 4).bytes_sent
 
 
 def test_a_slow_link_picks_a_low_bit_quantizer_and_a_fast_one_sends_dense_or_bf16():
@@ -181,7 +181,7 @@ def test_the_transports_cpu_time_overlaps_no_codec():
     free = planner.predict("int8", numel, 2, on_cpu, "allgather")
     segments = round(1 / (1 - free.overlap_seconds / min(free.exchange_seconds, free.codec_seconds)))
     assert segments == 12  # the whole exchange waits on the wire: the overlap as before
-    cost = scale.cost("int8", numel, 2, "allgather")
+    cost = cost_model.cost("int8", numel, 2, "allgather")
     for share in (0.25, 0.5, 1.0, 2.0):  # the CPU time a byte: that share of the wire's
         busy = dataclasses.replace(on_cpu.link, cpu_seconds_per_byte=share / GBIT)
         on = dataclasses.replace(on_cpu, link=busy)
@@ -194,13 +194,13 @@ def test_the_transports_cpu_time_overlaps_no_codec():
         assert p.overlap_seconds < free.overlap_seconds or waiting >= p.codec_seconds
     assert on.link.cpu_seconds_per_byte and p.overlap_seconds == 0  # all CPU: nothing overlaps
     # Each collective on its own fit's CPU time; a link without one (a GPU's, a typed link) has none.
-    gather = scale.Link(GBIT, 0.0, 1 / GBIT)
-    assert scale.cost("int8", numel, 2, "allgather").cpu_seconds(on_cpu.link, {"all_gather": gather}) == (
-        pytest.approx(cost.bytes_sent / GBIT)
-    )
+    gather = cost_model.Link(GBIT, 0.0, 1 / GBIT)
+    assert cost_model.cost("int8", numel, 2, "allgather").cpu_seconds(
+        on_cpu.link, {"all_gather": gather}
+    ) == (pytest.approx(cost.bytes_sent / GBIT))
     assert cost.cpu_seconds(on_cpu.link) == 0
     # Another wire keeps the host's CPU time a byte.
-    assert on.with_link(GBIT / 10).link == scale.Link(GBIT / 10, on.link.latency, 2 / GBIT)
+    assert on.with_link(GBIT / 10).link == cost_model.Link(GBIT / 10, on.link.latency, 2 / GBIT)
 
 
 def test_the_transports_cpu_time_is_the_processs_less_its_other_python_threads():
@@ -248,15 +248,15 @@ def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
     numel = 2**20
     pairs = ("int8", "two_phase"), ("int8", "allgather"), ("topk", "two_phase"), ("none", "dense")
     for name, algorithm in pairs:
-        cost = scale.cost(name, numel, 4, algorithm)
+        cost = cost_model.cost(name, numel, 4, algorithm)
         assert sum(p[1] for p in cost.phases) == cost.bytes_sent
         assert sum(p[2] for p in cost.phases) == cost.steps
     on_ring = profile(GBIT)
     # An all-gather ten times slower than the all-reduce's fit; all-to-all without a fit of its own.
-    slow_gather = dataclasses.replace(on_ring, links={"all_gather": scale.Link(GBIT / 10, 20e-6)})
+    slow_gather = dataclasses.replace(on_ring, links={"all_gather": cost_model.Link(GBIT / 10, 20e-6)})
     for name, algorithm in (("int8", "allgather"), ("int8", "two_phase"), ("bf16", "dense")):
         fast, slow = (planner.predict(name, numel, 4, p, algorithm) for p in (on_ring, slow_gather))
-        cost = scale.cost(name, numel, 4, algorithm)
+        cost = cost_model.cost(name, numel, 4, algorithm)
         gathered = sum(b for c, b, _ in cost.phases if c == "all_gather")
         assert slow.exchange_seconds == pytest.approx(fast.exchange_seconds + 9 * gathered / GBIT)
         assert slow.codec_seconds == fast.codec_seconds
@@ -267,13 +267,13 @@ def test_each_collective_of_an_algorithm_goes_on_its_own_fit():
 def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     fast, slow = profile(10 * GBIT, 10e-6, rate=2e9), profile(GBIT, 30e-6, rate=1e9, overhead=1e-4)
     fast = dataclasses.replace(
-        fast, links={"all_gather": scale.Link(GBIT, 5e-6, 1e-9), "all_to_all": fast.link}
+        fast, links={"all_gather": cost_model.Link(GBIT, 5e-6, 1e-9), "all_to_all": fast.link}
     )
-    slow = dataclasses.replace(slow, links={"all_gather": scale.Link(2 * GBIT, 50e-6, 1e-10)})
+    slow = dataclasses.replace(slow, links={"all_gather": cost_model.Link(2 * GBIT, 50e-6, 1e-10)})
     both = planner.combine([fast, slow])
-    assert both.link == scale.Link(GBIT, 30e-6)
+    assert both.link == cost_model.Link(GBIT, 30e-6)
     # Per collective too, where every rank has a fit of it; the most CPU time a byte.
-    assert both.links == {"all_gather": scale.Link(GBIT, 50e-6, 1e-9)}
+    assert both.links == {"all_gather": cost_model.Link(GBIT, 50e-6, 1e-9)}
     assert both.codecs["int8"].encode == planner.Linear(1e-4, 1e9)
     path = tmp_path / "profile.json"
     both.save(path)
@@ -284,7 +284,7 @@ def test_profiles_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     for link in (data["link"], *data["links"].values()):
         del link["cpu_seconds_per_byte"]
     path.write_text(json.dumps(data))
-    assert planner.Profile.load(path).links["all_gather"] == scale.Link(GBIT, 50e-6)
+    assert planner.Profile.load(path).links["all_gather"] == cost_model.Link(GBIT, 50e-6)
 
 
 STAGES = planner.Linear(1e-4, 1e9)  # a node's dense stages: 0.1 ms, then 1G elements a second
@@ -293,7 +293,7 @@ FREE = planner.Linear(0.0, 1e12)  # stages that take no time
 
 def _two_nodes(between: float, stages: planner.Linear = STAGES) -> planner.Nodes:
     """Two nodes of four ranks, ``between`` bytes a second from node to node."""
-    return planner.Nodes(4, 2, stages, scale.Link(between, 20e-6))
+    return planner.Nodes(4, 2, stages, cost_model.Link(between, 20e-6))
 
 
 def test_hierarchical_is_the_nodes_stages_plus_a_shards_reduction_between_nodes():
@@ -335,10 +335,10 @@ def test_nodes_combine_to_the_slowest_and_round_trip_through_json(tmp_path):
     first = dataclasses.replace(profile(GBIT), nodes=_two_nodes(GBIT))
     # Slower between nodes, faster stages (overhead aside); a fit of one collective only.
     nodes = _two_nodes(GBIT / 2, planner.Linear(2e-4, 2e9))
-    nodes = dataclasses.replace(nodes, links={"all_gather": scale.Link(GBIT, 1e-5)})
+    nodes = dataclasses.replace(nodes, links={"all_gather": cost_model.Link(GBIT, 1e-5)})
     second = dataclasses.replace(profile(GBIT), nodes=nodes)
     both = planner.combine([first, second])
-    assert both.nodes == planner.Nodes(4, 2, planner.Linear(2e-4, 1e9), scale.Link(GBIT / 2, 20e-6), {})
+    assert both.nodes == planner.Nodes(4, 2, planner.Linear(2e-4, 1e9), cost_model.Link(GBIT / 2, 20e-6), {})
     assert both.with_link(GBIT).nodes is None  # measured on the old link
     path = tmp_path / "profile.json"
     both.save(path)
@@ -1069,9 +1069,9 @@ def _codecs(**rates):
 # Three links and codec sets: int4 pays on the first, Top-K on the second (int4 and int8
 # slow to encode there), dense on the third (fast, every codec costly to start).
 REPLAN_PROFILES = [
-    planner.Profile("a", scale.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e9, int4=1e9, topk=1e5), 3),
-    planner.Profile("b", scale.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e6, int4=1e6, topk=1e9), 3),
-    planner.Profile("c", scale.Link(100 * GBIT, 1e-6), _codecs(int8=1e6, int4=1e6, topk=1e6), 3),
+    planner.Profile("a", cost_model.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e9, int4=1e9, topk=1e5), 3),
+    planner.Profile("b", cost_model.Link(0.01 * GBIT, 20e-6), _codecs(int8=1e6, int4=1e6, topk=1e9), 3),
+    planner.Profile("c", cost_model.Link(100 * GBIT, 1e-6), _codecs(int8=1e6, int4=1e6, topk=1e6), 3),
 ]
 
 
@@ -1163,7 +1163,7 @@ def test_a_plan_change_mid_run_carries_the_residuals_and_loses_nothing(periodic)
 
 def _nodes(stages: planner.Linear = FREE) -> planner.Nodes:
     """Two nodes of two ranks: a slow link between them (its all-to-all faster: two_phase pays)."""
-    slow, fast = scale.Link(0.01 * GBIT, 20e-6), scale.Link(GBIT, 20e-6)
+    slow, fast = cost_model.Link(0.01 * GBIT, 20e-6), cost_model.Link(GBIT, 20e-6)
     return planner.Nodes(2, 2, stages, slow, {"all_gather": slow, "all_to_all": fast})
 
 
@@ -1177,10 +1177,10 @@ NODE_PROFILES = [
     planner.Profile("c", _nodes().link, _codecs(int8=1e9, int4=1e6, topk=1e5), 4, nodes=_nodes()),
     planner.Profile(
         "d",
-        scale.Link(100 * GBIT, 1e-6),
+        cost_model.Link(100 * GBIT, 1e-6),
         _codecs(int8=1e6, int4=1e6, topk=1e6),
         4,
-        nodes=planner.Nodes(2, 2, FREE, scale.Link(100 * GBIT, 1e-6)),
+        nodes=planner.Nodes(2, 2, FREE, cost_model.Link(100 * GBIT, 1e-6)),
     ),
 ]
 
@@ -1202,7 +1202,7 @@ def test_a_plan_moving_between_hierarchical_and_flat_carries_the_residuals():
 
 
 # int8 predicted a little faster than int4 on this link (within the margin): a trial.
-NEAR = planner.Profile("near", scale.Link(0.1 * GBIT, 20e-6), _codecs(int8=1e8, int4=4e7), 2)
+NEAR = planner.Profile("near", cost_model.Link(0.1 * GBIT, 20e-6), _codecs(int8=1e8, int4=4e7), 2)
 
 
 def test_the_runner_up_is_a_choice_the_model_cannot_tell_from_the_plans():
@@ -1539,7 +1539,7 @@ def _all_reduce_auto_nodes_body(rank, world_size):
 
     x = torch.randn(2**16, generator=torch.Generator().manual_seed(rank))
     # Injected: a slow link between nodes that take no time inside.
-    slow = scale.Link(0.01 * GBIT, 20e-6)
+    slow = cost_model.Link(0.01 * GBIT, 20e-6)
     nodes = dataclasses.replace(profile(0.01 * GBIT), world_size=4, nodes=planner.Nodes(2, 2, FREE, slow))
     auto = planner.Auto(allow=("int8",), profile=nodes)
     out = x.clone()

@@ -123,7 +123,7 @@ def unordered_results(fake: FakeCuda) -> list[str]:
 
 def _results_are_ordered_on_the_callers_stream(rank: int, world_size: int) -> None:
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     tensor = torch.randn(5000)
     fake = install_fake()
@@ -142,7 +142,7 @@ def _results_are_ordered_on_the_callers_stream(rank: int, world_size: int) -> No
     assert not unordered_results(fake)
     # Every other way to take the result: the call without async_op, the future, "auto".
     line = planner.Linear(50e-6, 1e9)
-    profile = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    profile = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     auto = planner.Auto(allow=("int8",), profile=profile)
     for take in (
         lambda: gradcomp.all_reduce(tensor, "int8"),
@@ -193,11 +193,11 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     from test_ddp import DDP, make_model, train
 
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     fake = install_fake()  # from the start: every bucket takes the GPU's path
     line = planner.Linear(50e-6, 1e9)
-    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    slow = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     model = DDP(make_model(), bucket_cap_mb=0.02)
     # No re-plan on drift: the host's clock stands for the device's here, and a slow moment
     # would re-plan at step 7, leaving the new plan nothing observed yet.
@@ -259,7 +259,7 @@ def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int, 
     from test_ddp import DDP, make_model, train
 
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     fake = install_fake()  # from the start: every bucket takes the GPU's path
     started = collectives.CollectiveQueue._start
@@ -270,7 +270,7 @@ def _auto_sends_dense_gpu_buckets_natively_in_order(rank: int, world_size: int, 
 
     collectives.CollectiveQueue._start = slow_start
     line = planner.Linear(50e-6, 1e9)
-    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    slow = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     # find_unused_parameters: DDP all-reduces its map of used parameters on the model's group
     # right after the last bucket's hook returns.
     model = DDP(make_model(), bucket_cap_mb=0.02, find_unused_parameters=find_unused)
@@ -319,11 +319,11 @@ def _auto_measures_gpus_at_step_boundaries(rank: int, world_size: int) -> None:
     from test_ddp import DDP, make_model, train
 
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     fake = install_fake()
     line = planner.Linear(50e-6, 1e9)
-    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    slow = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     agreed = planner.agreed_profile
 
     def probing(*args, **kwargs):  # as long as a probe takes
@@ -409,10 +409,10 @@ def test_ready_offsets_come_from_events_on_the_stream_once_done():
 
 def _ranks_agree_on_a_gpu_plan(rank: int, world_size: int):
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     line = planner.Linear(50e-6, 1e9)
-    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    slow = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     # 19 steps: the plan at step 2, then a trial of int8's two algorithms (predicted alike) in
     # three turns, to step 18.
     state = _auto_on_a_gpu(rank, world_size, 19, allow=("int8",), profile=slow)
@@ -443,11 +443,11 @@ def _gpu_resume_measures_where_the_saved_run_did(rank: int, world_size: int, cas
     from test_ddp import DDP, batches, make_model
 
     from gradcomp import planner
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     fake = install_fake()  # every bucket takes the GPU's path
     line = planner.Linear(50e-6, 1e9)
-    slow = planner.Profile("injected", scale.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
+    slow = planner.Profile("injected", cost_model.Link(1e6, 20e-6), {"int8": planner.Codec(line, line)}, 2)
     # "plan": saved before the warm-up's last step, at whose end the plan is measured; "replan":
     # saved between a check that asked for a re-plan (step 5) and its measurement (step 6's end).
     warmup, save = (5, 4) if case == "plan" else (2, 6)

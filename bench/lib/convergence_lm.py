@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
-from gradcomp.collectives import ring_all_reduce_bytes, scale
+from gradcomp.collectives import cost_model, ring_all_reduce_bytes
 from gradcomp.spawn import RanksFailed
 from gradcomp.tables import format_table
 from lib import lm, spawning
@@ -267,7 +267,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     elif run["kind"] == "fp16_hook":
         sent = dense_bytes / 2
     elif one_bucket:
-        factors = scale.cost("powersgd", numel, world_size, shapes=shapes).bytes_sent
+        factors = cost_model.cost("powersgd", numel, world_size, shapes=shapes).bytes_sent
         sent = (start * dense_bytes + (steps - start) * factors) / steps
     else:
         sent = dense_bytes

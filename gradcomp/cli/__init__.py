@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
         "plan",
         help="bytes per rank and predicted time of every compressor and algorithm as the world grows",
         description=(
-            "The scale model: for each world size, compressor and algorithm, the bytes one rank "
+            "The cost model: for each world size, compressor and algorithm, the bytes one rank "
             "sends in an all-reduce of NUMEL fp32 elements (from the payload layouts, as the "
             "statistics count them) and the time a ring schedule takes on links of the given "
             "rate (each rank's, bits per second each way) and latency per step. * marks each "

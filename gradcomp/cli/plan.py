@@ -14,15 +14,15 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype
 
 
 def ring_table(args) -> int:
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     names = split_list(args.compressors)
     if not names:
         sys.stderr.write("gradcomp plan: --compressors names no compressor\n")
         return 2
-    link = scale.Link((args.bandwidth or 10e9) / 8, 20e-6 if args.latency is None else args.latency)
+    link = cost_model.Link((args.bandwidth or 10e9) / 8, 20e-6 if args.latency is None else args.latency)
     try:
-        records = scale.table(names, args.numel, args.world_sizes, link)
+        records = cost_model.table(names, args.numel, args.world_sizes, link)
     except (ValueError, TypeError) as error:
         sys.stderr.write(f"gradcomp plan: {error}\n")
         return 2
@@ -85,7 +85,7 @@ def _buckets(params: int, bucket_mb: float, itemsize: int = 4) -> list[int]:
 def decide(args) -> int:
     import torch
 
-    from gradcomp.collectives import scale
+    from gradcomp.collectives import cost_model
 
     if args.params < 1:
         sys.stderr.write("gradcomp plan: --params must be at least 1\n")
@@ -110,7 +110,7 @@ def decide(args) -> int:
             return 2
         latency = inside.latency if args.intra_latency is None else args.intra_latency
         bandwidth = inside.bandwidth if args.intra_bandwidth is None else args.intra_bandwidth / 8
-        inside = scale.Link(bandwidth, latency)
+        inside = cost_model.Link(bandwidth, latency)
         nodes = planner.Nodes.on_links(args.node_size, world // args.node_size, inside, profile.link)
         profile = dataclasses.replace(profile, nodes=nodes)
     kind = args.dtype or "fp32"

@@ -17,7 +17,7 @@ The package, one concern a module, imports pointing down this list:
   :mod:`~gradcomp.collectives.sparse_two_phase`,
   :mod:`~gradcomp.collectives.two_phase`;
 * :mod:`~gradcomp.collectives.policy`: which algorithm a compressor takes;
-* :mod:`~gradcomp.collectives.scale`: bytes and predicted time of every
+* :mod:`~gradcomp.collectives.cost_model`: bytes and predicted time of every
   algorithm at any world size;
 * :mod:`~gradcomp.collectives.agreement`: ranks with different settings
   raise instead of hanging;

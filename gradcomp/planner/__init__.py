@@ -5,7 +5,7 @@ A :class:`Profile` holds what a machine measured: the link as an
 alpha-beta fit of all-reduce times (latency per ring step, bytes per second
 per rank), and per compressor the seconds to encode and to decode ``n``
 elements as ``overhead + n / rate``. :func:`predict` adds the exchange time
-of the scale model (:mod:`gradcomp.collectives.scale`: the bytes one rank
+of the cost model (:mod:`gradcomp.collectives.cost_model`: the bytes one rank
 sends, the ring steps) and the encode and decode passes each algorithm
 makes; :func:`best_plan` takes, per bucket, the candidate with the least
 predicted time, so a bucket below the break-even size stays dense.

@@ -21,10 +21,10 @@ from gradcomp.collectives import (
     ReduceStats,
     allgather_segments,
     c10d,
+    cost_model,
     default_algorithm,
     drive,
     ring_all_reduce_bytes,
-    scale,
 )
 from gradcomp.collectives.hierarchical import hierarchical, node_stages_only
 from gradcomp.compressors import Compressor, Context, get_compressor
@@ -154,9 +154,11 @@ def busy(device: torch.device) -> typing.Iterator[None]:
         raise RuntimeError(f"the probe's busy thread failed: {failed[0]!r}") from failed[0]
 
 
-def measure_link(sizes: list[int], group=None, repeat: int = 5, device=None) -> tuple[scale.Link, list[dict]]:
+def measure_link(
+    sizes: list[int], group=None, repeat: int = 5, device=None
+) -> tuple[cost_model.Link, list[dict]]:
     """Time dense fp32 all-reduces of ``sizes`` elements on ``device`` (default: CUDA for an NCCL
-    group, else CPU) over ``group`` and fit ``steps * latency + bytes / bandwidth`` (the scale
+    group, else CPU) over ``group`` and fit ``steps * latency + bytes / bandwidth`` (the cost
     model's ring). Every rank must call it; every rank gets the slowest rank's times. On a CPU,
     also the transport's CPU time (``cpu_seconds`` in each row, :func:`_transport_cpu`),
     fitted per byte sent: the part of a collective that takes the host's cores."""
@@ -182,7 +184,7 @@ def _slowest_rank(timed: tuple[float, float], group, device: torch.device) -> di
 
 def measure_collectives(
     sizes: list[int], group=None, repeat: int = 5, device=None
-) -> tuple[dict[str, scale.Link], list[dict]]:
+) -> tuple[dict[str, cost_model.Link], list[dict]]:
     """Like :func:`measure_link`, for the collectives the compressed algorithms use: an
     all-gather whose output holds ``n`` fp32 elements (``n / W`` from each rank) and an
     all-to-all of ``n`` elements a rank; each fitted as ``(W-1) latency + bytes / bandwidth``
@@ -204,14 +206,14 @@ def measure_collectives(
                 dict(collective=name, numel=part * world, bytes_sent=part * 4 * (world - 1), **seconds)
             )
         line = Linear.fit([r["bytes_sent"] for r in mine], [r["seconds"] for r in mine])
-        links[name] = scale.Link(line.rate, line.overhead / max(world - 1, 1), _cpu_per_byte(mine))
+        links[name] = cost_model.Link(line.rate, line.overhead / max(world - 1, 1), _cpu_per_byte(mine))
         rows += mine
     return links, rows
 
 
 def measure_pingpong(
     sizes: list[int], group=None, repeat: int = 5, device=None
-) -> tuple[scale.Link, list[dict]]:
+) -> tuple[cost_model.Link, list[dict]]:
     """A pingpong, as the usual point-to-point latency and bandwidth tests run it: the group's
     first two ranks send messages of ``sizes`` fp32 elements back and forth; half a round
     trip is one message's time, fitted as ``latency + bytes / bandwidth``. Every rank of the
@@ -232,7 +234,7 @@ def measure_pingpong(
         dist.broadcast(seconds, src=peers[0], group=group)
         rows.append(dict(collective="pingpong", numel=numel, bytes_sent=numel * 4, seconds=seconds.item()))
     line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
-    return scale.Link(line.rate, line.overhead), rows
+    return cost_model.Link(line.rate, line.overhead), rows
 
 
 def _round_trip(message: torch.Tensor, rank: int, peers: list[int], group) -> None:
@@ -283,13 +285,13 @@ def _decode_once(compressor: Compressor, payloads, out: torch.Tensor) -> None:
     _synchronize(out)
 
 
-def fit_link(rows: list[dict], world_size: int) -> scale.Link:
+def fit_link(rows: list[dict], world_size: int) -> cost_model.Link:
     """Least squares of ``seconds = 2 (W-1) latency + bytes_sent / bandwidth`` over the rows."""
     steps = 2 * (world_size - 1)
     if steps == 0:  # one rank sends nothing: any link will do
-        return scale.Link(_FASTEST, 0.0)
+        return cost_model.Link(_FASTEST, 0.0)
     line = Linear.fit([r["bytes_sent"] for r in rows], [r["seconds"] for r in rows])
-    return scale.Link(line.rate, line.overhead / steps, _cpu_per_byte(rows))
+    return cost_model.Link(line.rate, line.overhead / steps, _cpu_per_byte(rows))
 
 
 # The least share of the largest size's time that the transfer (bytes / bandwidth) must
@@ -297,7 +299,7 @@ def fit_link(rows: list[dict], world_size: int) -> scale.Link:
 MIN_TRANSFER_SHARE = 0.2
 
 
-def unsupported_fits(rows: list[dict], links: dict[str, scale.Link]) -> list[str]:
+def unsupported_fits(rows: list[dict], links: dict[str, cost_model.Link]) -> list[str]:
     """Why the fitted ``links`` (per collective, as in ``rows``' ``collective``) say more
     than ``rows`` measured, one reason a collective; empty where every fit holds.
 

@@ -12,7 +12,7 @@ from gradcomp.collectives import (
     ALGORITHMS,
     HIERARCHICAL,
     check_algorithm,
-    scale,
+    cost_model,
     two_phase_segments,
 )
 from gradcomp.compressors import Compressor
@@ -92,7 +92,7 @@ def predict(
     :func:`gradcomp.collectives.allgather_segments`): one segment's
     codec work overlaps another's exchange while the exchange waits on the wire,
     not while the transport's own CPU time ``T`` runs (it takes the cores the codec
-    needs: :class:`gradcomp.collectives.scale.Link`): of the exchange ``X`` and the codec
+    needs: :class:`gradcomp.collectives.cost_model.Link`): of the exchange ``X`` and the codec
     ``C``, ``min(X - T, C) (1 - 1/S)`` overlaps (a pipeline's fill and drain keep the
     rest). A profile measured on a CPU says so in its device name."""
     compressor = from_spec(compressor)
@@ -101,7 +101,7 @@ def predict(
     if algorithm == HIERARCHICAL:
         return _predict_hierarchical(compressor, numel, world_size, profile, inter_algorithm, dtype)
     algorithm = check_algorithm(compressor, algorithm, world_size)
-    cost = scale.cost(compressor, numel, world_size, algorithm, dtype)
+    cost = cost_model.cost(compressor, numel, world_size, algorithm, dtype)
     exchange = cost.seconds(profile.link, profile.links)
     if compressor.name == "none" or world_size == 1:
         codec = 0.0
@@ -307,5 +307,5 @@ def exposed_seconds(ready: list[float], seconds: list[float]) -> float:
 
 def dense_plan(numels: list[int]) -> list[Prediction]:
     """Every bucket dense: what one rank (or an empty tensor) sends, which is nothing."""
-    one = Profile("one rank", scale.Link(1.0, 0.0), {}, 1, "")
+    one = Profile("one rank", cost_model.Link(1.0, 0.0), {}, 1, "")
     return [predict("none", n, 1, one) for n in numels]

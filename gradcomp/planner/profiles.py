@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from gradcomp.collectives import scale
+from gradcomp.collectives import cost_model
 from gradcomp.compressors import Compressor
 from gradcomp.planner.specs import label
 
@@ -55,12 +55,12 @@ class Codec:
     decode: Linear
 
 
-def _links_to_json(links: dict[str, scale.Link]) -> dict:
+def _links_to_json(links: dict[str, cost_model.Link]) -> dict:
     return {k: dataclasses.asdict(v) for k, v in links.items()}
 
 
-def _links_from_json(data: dict) -> dict[str, scale.Link]:
-    return {k: scale.Link(**v) for k, v in data.get("links", {}).items()}
+def _links_from_json(data: dict) -> dict[str, cost_model.Link]:
+    return {k: cost_model.Link(**v) for k, v in data.get("links", {}).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +75,11 @@ class Nodes:
     size: int
     count: int
     stages: Linear
-    link: scale.Link
-    links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)
+    link: cost_model.Link
+    links: dict[str, cost_model.Link] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def on_links(size: int, count: int, inside: scale.Link, between: scale.Link) -> Nodes:
+    def on_links(size: int, count: int, inside: cost_model.Link, between: cost_model.Link) -> Nodes:
         """Nodes whose stages run as ring collectives on ``inside`` (a reduce-scatter and an
         all-gather: ``2 (size-1)`` steps, ``2 (size-1)/size`` of the fp32 bytes a rank), with
         ``between`` from node to node: what a model of a cluster assumes without measuring."""
@@ -99,7 +99,9 @@ class Nodes:
     @staticmethod
     def from_json(data: dict) -> Nodes:
         links = _links_from_json(data)
-        return Nodes(data["size"], data["count"], Linear(**data["stages"]), scale.Link(**data["link"]), links)
+        return Nodes(
+            data["size"], data["count"], Linear(**data["stages"]), cost_model.Link(**data["link"]), links
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +110,11 @@ class Profile:
     group spans several nodes of several ranks, the levels of the hierarchical algorithm."""
 
     device: str
-    link: scale.Link  # the all-reduce's fit, and every collective's without one of its own
+    link: cost_model.Link  # the all-reduce's fit, and every collective's without one of its own
     codecs: dict[str, Codec]
     world_size: int = 2
     note: str = ""
-    links: dict[str, scale.Link] = dataclasses.field(default_factory=dict)  # "all_gather", "all_to_all"
+    links: dict[str, cost_model.Link] = dataclasses.field(default_factory=dict)  # "all_gather", "all_to_all"
     nodes: Nodes | None = None
 
     def with_link(self, bandwidth: float | None = None, latency: float | None = None) -> Profile:
@@ -169,7 +171,7 @@ class Profile:
             nodes = Nodes.from_json(data["nodes"]) if data.get("nodes") else None
             profile = Profile(
                 data["device"],
-                scale.Link(**data["link"]),
+                cost_model.Link(**data["link"]),
                 codecs,
                 data["world_size"],
                 data["note"],
@@ -268,13 +270,13 @@ def _combine_nodes(profiles: list[Profile]) -> Nodes | None:
     return Nodes(first.size, first.count, stages, link, _slowest_links([n.links for n in everyone]))
 
 
-def _slowest_links(fits: list[dict[str, scale.Link]]) -> dict[str, scale.Link]:
+def _slowest_links(fits: list[dict[str, cost_model.Link]]) -> dict[str, cost_model.Link]:
     """Per collective, the slowest of every rank's fits, where every rank has one."""
     return {name: _slowest_link([f[name] for f in fits]) for name in fits[0] if all(name in f for f in fits)}
 
 
-def _slowest_link(links: list[scale.Link]) -> scale.Link:
-    return scale.Link(
+def _slowest_link(links: list[cost_model.Link]) -> cost_model.Link:
+    return cost_model.Link(
         min(x.bandwidth for x in links),
         max(x.latency for x in links),
         max(x.cpu_seconds_per_byte for x in links),

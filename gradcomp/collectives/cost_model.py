@@ -1,4 +1,4 @@
-"""The scale model: bytes per rank and predicted time of each algorithm at any world size.
+"""The cost model: bytes per rank and predicted time of each algorithm at any world size.
 
 :func:`bytes_sent` gives, without running anything, the bytes one rank
 sends in a compressed all-reduce (what :class:`ReduceStats.bytes_sent`

@@ -1,4 +1,4 @@
-"""The scale model and ``python -m gradcomp plan``."""
+"""The cost model and ``python -m gradcomp plan``."""
 
 from __future__ import annotations
 
@@ -6,24 +6,24 @@ import torch
 
 import gradcomp
 from gradcomp import cli
-from gradcomp.collectives import scale
+from gradcomp.collectives import cost_model
 
 
 def test_allgather_grows_with_the_world_and_two_phase_does_not():
     numel = 2**20
     topk = gradcomp.get_compressor("topk")
-    gathered = [scale.cost(topk, numel, w, "allgather").bytes_sent for w in (2, 8, 1024)]
+    gathered = [cost_model.cost(topk, numel, w, "allgather").bytes_sent for w in (2, 8, 1024)]
     payload = gradcomp.get_compressor("topk").compress(torch.randn(numel)).nbytes
     assert gathered == [payload * (w - 1) for w in (2, 8, 1024)]
-    reduced = [scale.cost(topk, numel, w, "two_phase").bytes_sent for w in (2, 8, 1024)]
+    reduced = [cost_model.cost(topk, numel, w, "two_phase").bytes_sent for w in (2, 8, 1024)]
     assert max(reduced) < 3.3 * payload and reduced[2] < gathered[2] / 300
     # Dense fp32 all-reduce: 2 (W-1)/W of the tensor.
-    assert scale.cost("none", numel, 8).bytes_sent == 2 * 7 * 4 * numel // 8
+    assert cost_model.cost("none", numel, 8).bytes_sent == 2 * 7 * 4 * numel // 8
 
 
 def test_predicted_time_adds_a_latency_per_collective_step():
-    link = scale.Link(bandwidth=1e9, latency=1e-5)
-    cost = scale.cost("int8", 2**20, 4)
+    link = cost_model.Link(bandwidth=1e9, latency=1e-5)
+    cost = cost_model.cost("int8", 2**20, 4)
     assert cost.steps == 6  # all-to-all and all-gather, 3 steps each
     assert cost.seconds(link) == 6e-5 + cost.bytes_sent / 1e9
 
