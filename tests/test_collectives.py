@@ -464,7 +464,7 @@ def test_all_reduce_without_process_group_raises():
 
 
 def _named_compressor_keeps_its_residual(rank: int, world_size: int) -> None:
-    from gradcomp.collectives import _DEFAULT_FEEDBACK
+    from gradcomp.collectives.reduce import _DEFAULT_FEEDBACK
 
     for _ in range(5):
         gradcomp.all_reduce(_input(rank, 4097, torch.float32), "int8", name="g")
