@@ -358,8 +358,13 @@ class CompressedAdam(torch.optim.Optimizer):
             [b.numel for b in self._buckets],
             [tuple(_settings(g[k]) for k in _COMPRESSOR_KEYS) for g in self.param_groups],
         )
-        # The gradients' sums, to tell whether something reduced them already (below).
-        sums = [sum(float(g.double().sum()) for g in self._grads(b)) for b in self._buckets]
+        # The gradients' sums, to tell whether something reduced them already (below): summed
+        # in fp64 without a copy, read back in one transfer.
+        totals = [
+            torch.stack([g.sum(dtype=torch.float64) for g in self._grads(b)]).sum() for b in self._buckets
+        ]
+        one_device = len({t.device for t in totals}) == 1
+        sums = torch.stack(totals).tolist() if one_device else [float(t) for t in totals]
         everyone = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(everyone, (*described, sums), group=self.process_group)
         everyone, all_sums = [d[:-1] for d in everyone], [d[-1] for d in everyone]
