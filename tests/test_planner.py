@@ -956,6 +956,11 @@ def test_auto_options_are_checked():
             make()
     allowed = ddp.HookState("auto", allow=("none", "int8"), profile=partial).auto.options.allow
     assert allowed == ("none", "int8")
+    # planner.Auto, the chooser all_reduce takes, is "auto" with its candidates and profile.
+    chooser = ddp.HookState(planner.Auto(allow=("none", "int8"), profile=partial)).auto.options
+    assert (chooser.allow, chooser.profile) == (allowed, partial)
+    with pytest.raises(ValueError, match="given by the planner.Auto"):
+        ddp.HookState(planner.Auto(), allow=("int8",))
     for only_auto in ({"replan_every": 100}, {"check_every": 5}, {"drift": 0.2}, {"drift": None}):
         with pytest.raises(ValueError, match="options of compressor='auto'"):
             ddp.HookState("int8", **only_auto)

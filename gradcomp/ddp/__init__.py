@@ -26,7 +26,6 @@ worker does with a bucket), :mod:`~gradcomp.ddp.options` (frozen options),
 trials) and :mod:`~gradcomp.ddp.timing` (its clocks).
 """
 
-from gradcomp.ddp.auto import AutoController as AutoController
 from gradcomp.ddp.auto import Phase as Phase
 from gradcomp.ddp.checkpoint import SCHEMA_VERSION as SCHEMA_VERSION
 from gradcomp.ddp.checkpoint import Checkpointable, load_rank_file, save_rank_file

@@ -77,7 +77,7 @@ class Remeasure:
     at: int | None = None
 
 
-class AutoController:
+class BucketPlans:
     """The plan of a :class:`~gradcomp.ddp.HookState` made with ``compressor="auto"``.
 
     Args:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import planner
-from gradcomp.ddp.auto import AutoController, Phase, Remeasure, StepSizes
+from gradcomp.ddp.auto import BucketPlans, Phase, Remeasure, StepSizes
 from gradcomp.ddp.trial import Trial
 
 logger = logging.getLogger("gradcomp.ddp")
@@ -57,7 +57,7 @@ def loaded_plan(saved: list) -> list[planner.Prediction]:
     return [planner.Prediction(c, a, n, *rest) for n, c, a, *rest in saved]
 
 
-def saved_auto(auto: AutoController, sent_as: dict) -> dict:
+def saved_auto(auto: BucketPlans, sent_as: dict) -> dict:
     """(hook, between steps) What a resumed run needs of ``auto`` (schema 2's ``"auto"``);
     ``sent_as``: the route each bucket last went through, as labels."""
     auto.wait()  # a check of the step just ended: its plan applies from the next
@@ -80,7 +80,7 @@ def saved_auto(auto: AutoController, sent_as: dict) -> dict:
     }
 
 
-def restore_auto(auto: AutoController, saved: dict) -> dict:
+def restore_auto(auto: BucketPlans, saved: dict) -> dict:
     """(hook) Restore :func:`saved_auto`'s output into a fresh ``auto``; the routes each
     bucket last went through (labels), for the hook state."""
     sizes = saved["sizes"]

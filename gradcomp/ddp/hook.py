@@ -136,7 +136,7 @@ STATE_OPTIONS = tuple(
 
 
 def register(
-    model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str, **options
+    model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str | planner.Auto, **options
 ) -> HookState:
     """Register gradcomp's hook on ``model`` in one call and return its state.
 
@@ -165,7 +165,7 @@ def register(
             "group differs from the group the DistributedDataParallel model reduces over "
             "(model.process_group): the hook must reduce over the model's group"
         )
-    if isinstance(compressor, str) and planner.is_auto(compressor):
+    if planner.is_auto(compressor):
         if options:
             raise ValueError(
                 f"compressor='auto' takes no compressor options, got {sorted(options)}: use allow="

@@ -23,7 +23,7 @@ from gradcomp.collectives import (
     ring_all_reduce_bytes,
 )
 from gradcomp.compressors import Compressor, get_compressor
-from gradcomp.ddp.auto import DENSE, AutoController
+from gradcomp.ddp.auto import DENSE, BucketPlans
 from gradcomp.ddp.checkpoint import SCHEMA_VERSION, restore_auto, saved_auto, upgrade
 from gradcomp.ddp.options import DEFAULT_TRIAL_STEPS, AutoOptions, HookOptions, renamed
 from gradcomp.ddp.stats import StepLedger, StepStats
@@ -40,7 +40,9 @@ class HookState:
     """State of :func:`gradcomp.ddp.hook`: compressor, residuals, step counter, statistics.
 
     Args:
-        compressor: a :class:`Compressor`, a compressor spec, or ``"auto"``.
+        compressor: a :class:`Compressor`, a compressor spec, ``"auto"``, or a
+            :class:`gradcomp.planner.Auto` (the same chooser ``all_reduce`` takes:
+            ``"auto"`` with its ``allow`` and ``profile``).
         group: the group to reduce over (default WORLD), as ``all_reduce``,
             CompressedAdam and DiLoCo call it (``process_group=``, the name torch's
             hook states use, still works with a ``FutureWarning``).
@@ -71,7 +73,7 @@ class HookState:
 
     def __init__(
         self,
-        compressor: Compressor | str,
+        compressor: Compressor | str | planner.Auto,
         group: dist.ProcessGroup | None = None,
         warmup_steps: int = 0,
         min_numel: int = 1024,
@@ -93,7 +95,11 @@ class HookState:
     ):
         group = renamed("process_group", process_group, "group", group)
         residual = renamed("residual_dtype", residual_dtype, "residual", residual, default="fp32")
-        is_auto = isinstance(compressor, str) and planner.is_auto(compressor)
+        is_auto = planner.is_auto(compressor)
+        if isinstance(compressor, planner.Auto):  # the all-reduce's chooser: its candidates and profile
+            if (allow, profile) != (None, None):
+                raise ValueError("allow= and profile= are given by the planner.Auto; give them once")
+            allow, profile = compressor.allow, compressor.profile
         given = (allow, profile, replan_every, trial_steps, check_every, drift)
         if not is_auto and given != (None, None, None, None, 10, 0.5):
             raise ValueError(
@@ -109,7 +115,7 @@ class HookState:
             measure_error,
             history,
         )
-        self.auto: AutoController | None = None
+        self.auto: BucketPlans | None = None
         if is_auto:
             trial_steps = DEFAULT_TRIAL_STEPS if trial_steps is None else trial_steps
             auto = AutoOptions(
@@ -137,9 +143,9 @@ class HookState:
         self._labels: dict[int, tuple] = {}  # id of a compressor -> (it, its label)
         logger.info("gradcomp hook: %s, %s", "auto" if is_auto else repr(self.compressor), self.options)
 
-    def _controller(self, options: AutoOptions) -> AutoController:
+    def _controller(self, options: AutoOptions) -> BucketPlans:
         hook = self.options
-        return AutoController(options, hook.warmup_steps, hook.min_numel, hook.node_size)
+        return BucketPlans(options, hook.warmup_steps, hook.min_numel, hook.node_size)
 
     # ------------------------------------------------------------------ what users read
     @property

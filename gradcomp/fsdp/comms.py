@@ -80,8 +80,7 @@ def register(
             )
         replicate, scatter = None, _scatter_compressor(compressor, options)
     else:
-        auto = isinstance(compressor, str) and planner.is_auto(compressor)
-        replicate = as_chooser(compressor) if auto else None
+        replicate = as_chooser(compressor) if planner.is_auto(compressor) else None
         if replicate is not None and options:
             raise ValueError(f"compressor='auto' takes no compressor options, got {sorted(options)}")
         replicate = replicate or get_compressor(compressor, **options)
@@ -255,7 +254,7 @@ def _check_gathered_dtypes(model: torch.nn.Module, units) -> None:
 
 
 def _scatter_compressor(compressor, options: dict) -> Compressor:
-    if isinstance(compressor, str) and planner.is_auto(compressor):
+    if planner.is_auto(compressor):
         raise ValueError(
             "the reduce-scatter takes a compressor, not 'auto' ('auto' chooses the replicas' all-reduce)"
         )

@@ -81,7 +81,7 @@ class GradcompCallback(TrainerCallback):
         # is known at train()).
         hook_options = sorted({*ddp.STATE_OPTIONS, *OLD_NAMES, *FSDP_OPTIONS})  # which applies: at train()
         _, compressor_options = split_options(compressor, options, hook_options, "GradcompCallback")
-        if not (isinstance(compressor, str) and planner.is_auto(compressor)):
+        if not planner.is_auto(compressor):
             get_compressor(compressor, **compressor_options)
 
     # ------------------------------------------------------------------ Trainer's events
