@@ -6,7 +6,7 @@
 # value, each under its own time limit inside the run's budget, and each
 # writes its results as soon as it ends: a run killed at its limit still
 # returns what finished. Every Python section runs on CPU first, in the same
-# code (--dry-run, in the test suite: tests/test_gpu_check.py), so that on
+# code (--dry-run, in the test suite: tests/bench/test_gpu_check.py), so that on
 # the GPU nothing but the device itself can fail.
 #
 #   versions   torch, CUDA, NCCL, Triton, CuPy, the driver, the GPU
@@ -237,7 +237,8 @@ fi
 [ "$dry_run" -eq 0 ] || parity=(--collect-only -q)
 section parity 120 1 python3 -m pytest "${parity[@]}" -rfE --tb=short -p no:cacheprovider \
   --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \
-  tests/test_parity.py tests/test_triton.py tests/test_cuda.py tests/test_streams.py tests/test_subgroups.py
+  tests/ops/test_parity.py tests/kernels/test_triton.py tests/kernels/test_cuda.py \
+  tests/collectives/test_streams.py tests/collectives/test_subgroups.py
 
 # If time is left: memcheck over every op of the GPU backends. PyTorch's caching
 # allocator is off, so every tensor is an allocation of its own and a read past

@@ -2,7 +2,7 @@
 
 Each section runs for real on one CUDA GPU and, with ``--dry-run``, on a CPU
 machine: CPU tensors, Gloo instead of NCCL, tiny sizes, the same Python
-otherwise. The test suite runs the dry run (tests/test_gpu_check.py), so that
+otherwise. The test suite runs the dry run (tests/bench/test_gpu_check.py), so that
 on the GPU machine, lent once and briefly, nothing but the device itself can
 fail: not an import, a signature or a file name.
 

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
+from tests.utils import run_ranks, same_on_all_ranks
 
 
 def _net() -> torch.nn.Sequential:

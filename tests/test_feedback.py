@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import seeded_randn
 
 from gradcomp import Context, ErrorFeedback, get_compressor
+from tests.utils import seeded_randn
 
 
 def test_zeros_on_first_use_and_same_tensor_after():

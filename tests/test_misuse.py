@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from utils import run_ranks
 
 import gradcomp
 from gradcomp.optim import CompressedAdam
+from tests.utils import run_ranks
 
 TIMEOUT = 4.0  # the group's: the user's timeout, which bounds every wait below
 

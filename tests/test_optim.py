@@ -7,11 +7,11 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from utils import gather, run_ranks, same_on_all_ranks
 
 import gradcomp
 from gradcomp.collectives import cost_model
 from gradcomp.optim import CompressedAdam
+from tests.utils import gather, run_ranks, same_on_all_ranks
 
 BETAS = (0.9, 0.95)
 HYPER = dict(lr=3e-3, betas=BETAS, eps=1e-8, weight_decay=0.1)

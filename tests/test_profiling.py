@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import run_ranks
 
 import gradcomp
+from tests.utils import run_ranks
 
 pytestmark = pytest.mark.slow
 

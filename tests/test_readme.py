@@ -13,9 +13,9 @@ import re
 
 import pytest
 import torch
-from utils import run_ranks, same_on_all_ranks
 
 import gradcomp
+from tests.utils import run_ranks, same_on_all_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DOCS = (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "usage.md"))

@@ -79,7 +79,7 @@ def allgather(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
 # width known, the compressor encodes straight into the row it sends and decodes the
 # gathered rows (Compressor.encode_row, decode_rows): no payload objects, no segment
 # plan, no copy into a send buffer, no op-boundary checks (the job's tensors are valid
-# by construction). The same bits as the general path (tests/test_lane.py).
+# by construction). The same bits as the general path (tests/collectives/test_lane.py).
 
 
 def _lane_of(job: Job, flat: torch.Tensor, residual, q: CollectiveQueue) -> int | None:
@@ -90,7 +90,7 @@ def _lane_of(job: Job, flat: torch.Tensor, residual, q: CollectiveQueue) -> int 
     width is noted when a job of its kind finishes, after its pause, so a job started
     while that one is still in flight takes the general path on one rank and may take
     the lane on another. This is safe only because both paths send the same bytes and
-    give the same bits (tests/test_lane.py holds them to it)."""
+    give the same bits (tests/collectives/test_lane.py holds them to it)."""
     if job.gathered is not None or job.measure_error or job.fingerprint is None:
         return None
     if residual is not None and not residual.is_contiguous():
