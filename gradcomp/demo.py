@@ -7,8 +7,10 @@ rank takes its own shard of every batch. The result is one row per
 compressor: bytes each rank sent per step, the ratio to dense, the median
 step time, the final training loss and the test accuracy. On one machine the
 ranks talk over loopback, faster than any network, where compression does not
-pay; a last column predicts each step on a slower link (``link``): the measured
+pay; a column predicts each step on a slower link (``link``): the measured
 step plus the time its bytes take at that rate, one way, each rank sending at once.
+``gradcomp demo --bandwidth RATE`` also measures it: every run trains again with
+the ranks behind links of RATE (:mod:`gradcomp.limited_link`).
 
 Example:
     >>> rows = run_demo(["dense", "int8"], epochs=2)
@@ -297,9 +299,14 @@ def predicted_step_ms(row: Row, bits_per_second: float) -> float:
     return row.step_ms + 1e3 * row.bytes_per_step * 8 / bits_per_second
 
 
-def format_table(rows: list[Row], link: str | None = DEFAULT_LINK) -> str:
+def format_table(
+    rows: list[Row], link: str | None = DEFAULT_LINK, measured: tuple[str, list[Row]] | None = None
+) -> str:
     """The rows as a fixed-width text table; with ``link`` (a rate such as ``"1gbit"``), a
-    column of each step predicted on it (:func:`predicted_step_ms`)."""
+    column of each step predicted on it (:func:`predicted_step_ms`); with ``measured``
+    (a rate and the same runs' rows trained behind links of that rate), their steps."""
+    if measured is not None and [r.label for r in measured[1]] != [r.label for r in rows]:
+        raise ValueError("measured holds other runs than rows")
     header = (
         "compressor",
         "bytes/step",
@@ -313,6 +320,8 @@ def format_table(rows: list[Row], link: str | None = DEFAULT_LINK) -> str:
     if link is not None:
         header += (f"step ms at {link} (predicted)",)
         rate = parse_rate(link)
+    if measured is not None:
+        header += (f"step ms at {measured[0]} (measured)",)
     lines = [
         (
             row.label,
@@ -324,7 +333,8 @@ def format_table(rows: list[Row], link: str | None = DEFAULT_LINK) -> str:
             f"{row.train_loss:.5f}",
             f"{100 * row.test_accuracy:.1f}%",
             *((f"{predicted_step_ms(row, rate):.2f}",) if link is not None else ()),
+            *((f"{measured[1][i].step_ms:.2f}",) if measured is not None else ()),
         )
-        for row in rows
+        for i, row in enumerate(rows)
     ]
     return format_rows(header, lines)

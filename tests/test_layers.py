@@ -23,8 +23,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # "ddp", so a module keeps its layer when it becomes a package.
 LAYERS = (
     # The package's top and the commands; spawn runs ranks for the demo, bench and
-    # tests; units, tables and profiling are helpers of these that import nothing.
-    ("entry points", ("", "__main__", "cli", "demo", "spawn", "units", "tables", "profiling")),
+    # tests, limited_link runs them behind a slow loopback; units, tables and profiling
+    # are helpers of these that import nothing.
+    (
+        "entry points",
+        ("", "__main__", "cli", "demo", "spawn", "limited_link", "units", "tables", "profiling"),
+    ),
     ("framework glue", ("integrations",)),
     ("training", ("ddp", "optim", "fsdp", "diloco")),
     ("bucket layouts", ("buckets",)),

@@ -27,8 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradcomp.limited_link import link_settings, token_bucket, unmet_requirement
 from gradcomp.units import argument, parse_size
-from lib.link import link_settings, token_bucket, unmet_requirement
 
 _CLONE_NEWNET = 0x40000000
 # The interface name of every node's link, in its own namespace.

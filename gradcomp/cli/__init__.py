@@ -12,12 +12,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import json
 import math
+import os
 import sys
+import tempfile
 import time
 
-from gradcomp import demo, planner
+from gradcomp import demo, limited_link, planner
 from gradcomp.cli import plan as plan_command
 from gradcomp.cli import probe as probe_command
 from gradcomp.units import argument, parse_count, parse_duration, parse_rate, parse_size, split_list
@@ -97,10 +101,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--link",
         type=_rate_text,
-        default=demo.DEFAULT_LINK,
-        help="each rank's link in the last column, where each step is predicted on it (default "
-        f"{demo.DEFAULT_LINK}): over loopback, faster than any network, compression does not pay",
+        help="each rank's link in the predicted column, where each step is predicted on it (default "
+        f"--bandwidth's, else {demo.DEFAULT_LINK}): over loopback, faster than any network, "
+        "compression does not pay",
     )
+    run.add_argument(
+        "--bandwidth",
+        type=_rate_text,
+        metavar="RATE",
+        help="train every run again with the ranks behind links of RATE each (a tc-limited loopback "
+        "in a network namespace of its own; needs root and iproute2) and add its step as a measured column",
+    )
+    run.add_argument("--rows-out", help=argparse.SUPPRESS)  # inside --bandwidth's namespace: the rows
     run.add_argument(
         "--compressors",
         type=_runs,
@@ -267,10 +279,42 @@ def main(argv: list[str] | None = None) -> int:
             'pip install -e ".[demo]" (or pip install scikit-learn)\n'
         )
         return 2
+    if args.rows_out:  # one run behind the limited link, for the caller outside it
+        rows = demo.run_demo(args.compressors, epochs=args.epochs, world_size=args.world_size)
+        with open(args.rows_out, "w") as file:
+            json.dump([dataclasses.asdict(row) for row in rows], file)
+        return 0
+    unmet = args.bandwidth and limited_link.unmet_requirement("gradcomp demo --bandwidth")
+    if unmet:  # said before training, not after
+        sys.stderr.write(f"{unmet} Without it, the predicted column (--link) estimates a slow link.\n")
+        return 2
     print(f"{demo.machine()}, {args.world_size} Gloo ranks", flush=True)
     began = time.perf_counter()
     rows = demo.run_demo(args.compressors, epochs=args.epochs, world_size=args.world_size)
+    measured = None
+    if args.bandwidth:
+        measured = _rows_behind(args)
+        if measured is None:
+            return 2
     print(demo.describe(demo.Setup(epochs=args.epochs), rows))
-    print(demo.format_table(rows, args.link))
+    link = args.link or args.bandwidth or demo.DEFAULT_LINK
+    print(demo.format_table(rows, link, measured=None if measured is None else (args.bandwidth, measured)))
     print(f"finished in {time.perf_counter() - began:.0f} s")
     return 0
+
+
+def _rows_behind(args: argparse.Namespace) -> list | None:
+    """The demo's runs trained again by a ``gradcomp demo`` inside a namespace whose
+    loopback gives each rank ``args.bandwidth``; None (said on stderr) where that failed."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "rows.json")
+        command = [sys.executable, "-m", "gradcomp", "demo", "--epochs", str(args.epochs)]
+        command += ["--world-size", str(args.world_size), "--compressors", ",".join(args.compressors)]
+        status = limited_link.run_limited(
+            [*command, "--rows-out", out], args.bandwidth, args.world_size, "gradcomp demo --bandwidth"
+        )
+        if status != 0 or not os.path.exists(out):
+            sys.stderr.write(f"gradcomp demo: the runs behind {args.bandwidth} links failed ({status})\n")
+            return None
+        with open(out) as file:
+            return [demo.Row(**row) for row in json.load(file)]

@@ -117,7 +117,7 @@ def test_every_script_has_help():
 
 def test_bandwidth_without_root_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert link.run_limited("1gbit", 2) == 2
+    assert link.run_limited(["true"], "1gbit", 2) == 2
     assert "needs root" in capsys.readouterr().err
 
 

@@ -1,8 +1,11 @@
 """Smoke test of the demo: two spawned Gloo ranks, one epoch, two runs."""
 
+import dataclasses
+import os
+
 import pytest
 
-from gradcomp import demo
+from gradcomp import demo, limited_link
 from gradcomp.cli import parser
 
 
@@ -58,3 +61,42 @@ def test_the_last_column_predicts_each_step_on_a_slower_link():
     assert "predicted" not in demo.format_table([dense], link=None)
     assert demo.format_table([dense], link="100mbit").splitlines()[2].split()[-1] == "82.00"
 
+
+def test_a_measured_column_shows_the_same_runs_behind_a_slow_link():
+    nan = float("nan")
+    rows = [demo.Row("dense", 1e6, 1.0, 2.0, nan, nan, 0, 0.1, 0.9)]
+    rows.append(demo.Row("int8", 2.5e5, 4.0, 3.0, 0.5, 0.01, 3, 0.1, 0.9))
+    slow = [dataclasses.replace(rows[0], step_ms=11.5), dataclasses.replace(rows[1], step_ms=6.25)]
+    header, _, first, second = demo.format_table(rows, "1gbit", measured=("1gbit", slow)).splitlines()
+    assert header.rstrip().endswith("step ms at 1gbit (predicted)  step ms at 1gbit (measured)")
+    assert first.split()[-2:] == ["10.00", "11.50"] and second.split()[-2:] == ["5.00", "6.25"]
+    with pytest.raises(ValueError, match="other runs"):
+        demo.format_table(rows, measured=("1gbit", slow[:1]))
+
+
+def test_bandwidth_without_root_is_refused_before_training(monkeypatch, capsys):
+    from gradcomp import cli
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("trained before refusing"))
+    assert cli.main(["demo", "--bandwidth", "100mbit"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "--link" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(limited_link.unmet_requirement("") is not None, reason="needs root, ip and tc (netns)")
+def test_bandwidth_measures_each_run_behind_the_limited_link(capsys):
+    from gradcomp import cli
+
+    rate = 20e6  # 20 Mbit/s a rank: dense's 340 KB a step take 136 ms, int8's a quarter of that
+    assert cli.main(["demo", "--epochs", "1", "--compressors", "dense,int8", "--bandwidth", "20mbit"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("compressor"))
+    assert header.rstrip().endswith("step ms at 20mbit (predicted)  step ms at 20mbit (measured)")
+    found = {line.split()[0]: line.split() for line in lines if line.split()[:1] in (["dense"], ["int8"])}
+    dense_bytes = float(found["dense"][1].replace(",", ""))
+    dense_loopback, dense_slow = float(found["dense"][3]), float(found["dense"][-1])
+    # The link holds the sends back (a token bucket's burst lets some through at once).
+    assert dense_slow > max(2 * dense_loopback, 0.5e3 * dense_bytes * 8 / rate)
+    assert float(found["int8"][-1]) < dense_slow  # where compression pays
