@@ -62,8 +62,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lib import spawning
-from lib.convergence_lm import LM_ADAM, LM_BASELINES, LM_COMPRESSORS, LM_LR, main_lm
+from lib import lm, spawning
+from lib.convergence_lm import LM_ADAM, LM_BASELINES, LM_COMPRESSORS, LM_LR, LM_MODEL, main_lm
 from lib.machine import machine
 from lib.options import add_common_options
 from lib.plots import figure
@@ -153,6 +153,21 @@ def parser() -> argparse.ArgumentParser:
         "--corpus-bytes", type=int, default=2_000_000, help="lm: bytes of text, a tenth held out (default 2M)"
     )
     top.add_argument(
+        "--corpus",
+        choices=lm.CORPORA,
+        default="stdlib",
+        help="lm: the Python standard library's sources (default), or c10: torch's c10 C++ headers",
+    )
+    top.add_argument(
+        "--gpt",
+        type=gpt_shape,
+        default=None,
+        metavar="width=W,layers=L,heads=A,context=C",
+        help="lm: the GPT's shape, any of its keys (default "
+        + ",".join(f"{k}={v}" for k, v in LM_MODEL.items())
+        + ")",
+    )
+    top.add_argument(
         "--batch-size", type=int, default=64, help="global batch, split across ranks (default 64)"
     )
     top.add_argument(
@@ -173,6 +188,19 @@ def parser() -> argparse.ArgumentParser:
     )
     add_common_options(top)
     return top
+
+
+def gpt_shape(text: str) -> dict:
+    """``"width=96,layers=3"`` -> the GPT's shape keys given, as integers."""
+    shape = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key not in LM_MODEL or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--gpt takes {sorted(LM_MODEL)} as key=positive integer, got {item!r}"
+            )
+        shape[key] = int(value)
+    return shape
 
 
 def plan(specs: list[str]) -> list[dict]:

@@ -32,7 +32,9 @@ from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback
 
-SCHEMA_VERSION = 2  # 2: per-fragment outer steps and exchanges in flight (1 read with one fragment)
+# 2: per-fragment outer steps and exchanges in flight (1 read with one fragment);
+# 3: the inner learning rates summed per fragment, for follow_inner_lr (1 and 2 read without it)
+SCHEMA_VERSION = 3
 
 
 class _Exchange:
@@ -42,6 +44,7 @@ class _Exchange:
         self.fragment, self.lands = fragment, lands
         self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, delta, work or None)
         self.snapshot: list[torch.Tensor] | None = None  # the weights it was taken from (overlapped)
+        self.lr_sums: list[float] = []  # per inner group, the learning rates of its inner steps
         self.stats: list[ReduceStats] = []  # of the parts waited for
         self.bytes_sent = 0  # by this rank, the parts waited for (kept by a checkpoint)
 
@@ -79,6 +82,11 @@ class DiLoCo:
         overlap_steps: inner steps a fragment's exchange runs beside training
             before its outer step lands (0: at once, training waits); below
             ``sync_every``.
+        follow_inner_lr: the outer momentum sums pseudo-gradients per unit of inner
+            learning rate, and each outer step scales it by the learning rates of
+            the period that just ended: the relation of SGD's momentum to its own
+            schedule (see below). At a constant inner learning rate it is DiLoCo's
+            outer step (equal up to rounding).
         compressor_options: the compressor's own options (``ratio``, ``block``...).
 
     Example:
@@ -102,6 +110,7 @@ class DiLoCo:
         algorithm: str | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
+        follow_inner_lr: bool = False,
         **compressor_options,
     ):
         if not _is_int(sync_every) or sync_every < 1:
@@ -149,6 +158,12 @@ class DiLoCo:
         self.bytes_sent = 0  # by this rank, every exchange landed so far
         self.feedback = ErrorFeedback()
         self.last_stats: ReduceStats | None = None
+        self.follow_inner_lr = bool(follow_inner_lr)
+        groups = {id(p): g for g, group in enumerate(inner.param_groups) for p in group["params"]}
+        self._group_of = [groups.get(id(p)) for p in self.params]  # None: the inner optimizer skips it
+        # Per fragment and inner group, the learning rates of the inner steps since its exchange.
+        self.lr_sums = [[0.0] * len(inner.param_groups) for _ in self.fragments]
+        self._lr_hook = inner.register_step_pre_hook(self._count_lr) if self.follow_inner_lr else None
         ranks = InlineGroup(group)
         device = self.params[0].device
         wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
@@ -175,7 +190,14 @@ class DiLoCo:
             "shapes": [(tuple(p.shape), str(p.dtype)) for p in self.params],
             "fragments": len(self.fragments),
             "overlap_steps": self.overlap_steps,
+            "follow_inner_lr": self.follow_inner_lr,
         }
+
+    def _count_lr(self, optimizer, args, kwargs) -> None:
+        """(before each inner step) Add the learning rate it takes to every fragment's sums."""
+        for sums in self.lr_sums:
+            for g, group in enumerate(optimizer.param_groups):
+                sums[g] += float(group["lr"])
 
     @property
     def outer_step(self) -> int:
@@ -218,6 +240,7 @@ class DiLoCo:
     def _start(self, fragment: int, lands: int) -> _Exchange:
         """Send fragment's pseudo-gradients (anchor - weights) into the all-reduce."""
         exchange = _Exchange(fragment, lands)
+        exchange.lr_sums, self.lr_sums[fragment] = self.lr_sums[fragment], [0.0] * len(self.lr_sums[fragment])
         indices = self.fragments[fragment]
         if lands > self.local_step:  # training goes on: what it learns meanwhile is kept
             exchange.snapshot = [self.params[i].detach().clone() for i in indices]
@@ -252,7 +275,11 @@ class DiLoCo:
             offset = 0
             for i in indices:
                 numel = self.params[i].numel()
-                self._outer(i, delta[offset : offset + numel].view_as(self.params[i]), first)
+                lr_sum = None
+                if self.follow_inner_lr:
+                    group = self._group_of[i]
+                    lr_sum = exchange.lr_sums[group] if group is not None else 0.0
+                self._outer(i, delta[offset : offset + numel].view_as(self.params[i]), first, lr_sum)
                 offset += numel
         indices = self.fragments[exchange.fragment]
         if exchange.snapshot is None:
@@ -265,16 +292,25 @@ class DiLoCo:
         self.in_flight.remove(exchange)
         return stats
 
-    def _outer(self, i: int, gradient: torch.Tensor, first: bool) -> None:
-        """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it."""
+    def _outer(self, i: int, gradient: torch.Tensor, first: bool, lr_sum: float | None = None) -> None:
+        """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it; with
+        ``lr_sum`` (follow_inner_lr) the buffer sums ``gradient / lr_sum`` and its part of
+        the step is scaled by ``lr_sum`` (a period without learning rate adds nothing)."""
         update = gradient
         if self.outer_momentum:
-            buffer = self.momentum[i]
-            if first:
-                buffer.copy_(gradient)
+            buffer, scale = self.momentum[i], 1.0 if lr_sum is None else lr_sum
+            if lr_sum is None:
+                added = gradient
             else:
-                buffer.mul_(self.outer_momentum).add_(gradient)
-            update = gradient.add(buffer, alpha=self.outer_momentum) if self.nesterov else buffer
+                added = gradient / lr_sum if lr_sum > 0 else torch.zeros_like(gradient)
+            if first:
+                buffer.copy_(added)
+            else:
+                buffer.mul_(self.outer_momentum).add_(added)
+            if self.nesterov:
+                update = gradient.add(buffer, alpha=self.outer_momentum * scale)
+            else:
+                update = buffer if lr_sum is None else buffer.mul(scale)
         self.anchor[i].add_(update, alpha=-self.outer_lr)
 
     def state_dict(self) -> dict:
@@ -296,6 +332,7 @@ class DiLoCo:
             "bytes_sent": self.bytes_sent,
             "anchor": [t.clone() for t in self.anchor],
             "momentum": [t.clone() for t in self.momentum],
+            "lr_sums": [list(sums) for sums in self.lr_sums],
             "feedback": self.feedback.state_dict(),
             "weights": [p.detach().clone() for p in self.params],
             "inner": copy.deepcopy(self.inner.state_dict()),
@@ -306,6 +343,7 @@ class DiLoCo:
                     "deltas": [delta.clone() for _, delta, _ in e.parts],
                     "snapshot": None if e.snapshot is None else [t.clone() for t in e.snapshot],
                     "bytes_sent": e.bytes_sent,
+                    "lr_sums": list(e.lr_sums),
                 }
                 for e in self.in_flight
             ],
@@ -325,9 +363,11 @@ class DiLoCo:
         device = self.params[0].device
         counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for tensor in [*self.params, *self.anchor, *self.momentum, counters]:
+        lr_sums = torch.tensor(self.lr_sums, dtype=torch.float64, device=device)
+        for tensor in [*self.params, *self.anchor, *self.momentum, counters, lr_sums]:
             dist.broadcast(tensor, src=source, group=self.group)
         self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())
+        self.lr_sums = lr_sums.tolist()
 
     def load_state_dict(self, saved: dict) -> None:
         version = saved.get("version")
@@ -340,8 +380,10 @@ class DiLoCo:
                 )
             saved = {**saved, "outer_steps": [saved["outer_step"]], "in_flight": [], "bytes_sent": 0}
             saved["settings"] = {**saved["settings"], "fragments": 1, "overlap_steps": 0}
-        elif version != SCHEMA_VERSION:
-            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads 1 and {SCHEMA_VERSION}")
+        elif version not in (2, SCHEMA_VERSION):
+            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads 1 to {SCHEMA_VERSION}")
+        if version in (1, 2):  # before follow_inner_lr: DiLoCo's outer step
+            saved = {**saved, "settings": {**saved["settings"], "follow_inner_lr": False}}
         if saved["settings"] != ours:
             differ = sorted(k for k, v in ours.items() if saved["settings"].get(k) != v)
             raise ValueError(f"the checkpoint's DiLoCo settings differ in {differ}")
@@ -349,6 +391,8 @@ class DiLoCo:
             exchange.wait()
         self.local_step = int(saved["local_step"])
         self.outer_steps = [int(n) for n in saved["outer_steps"]]
+        if "lr_sums" in saved:
+            self.lr_sums = [[float(x) for x in sums] for sums in saved["lr_sums"]]
         self.bytes_sent = int(saved["bytes_sent"])
         own = saved.get("weights", [])  # schema 1 held neither: the caller loaded them
         with torch.no_grad():
@@ -373,6 +417,7 @@ class DiLoCo:
             if entry["snapshot"] is not None:
                 exchange.snapshot = [t.to(device) for t in entry["snapshot"]]
             exchange.bytes_sent = int(entry["bytes_sent"])
+            exchange.lr_sums = [float(x) for x in entry.get("lr_sums", [])]
             self.in_flight.append(exchange)
 
 

@@ -159,12 +159,15 @@ def test_error_feedback_is_conserved_across_synchronisations():
     run_ranks(_conserved, 2)
 
 
-def _resume(rank: int, world: int) -> None:
-    fresh = functools.partial(_fresh, 3)
+def _resume(rank: int, world: int, follow_inner_lr: bool) -> None:
+    fresh = functools.partial(_fresh, 3, follow_inner_lr=follow_inner_lr)
     model, inner, outer = fresh()
     _train(model, inner, outer, range(4), rank)  # one synchronisation, then one step into the next
+    # (follow_inner_lr: the next outer step scales by the learning rates of 3 steps, 1 of them before)
     again, again_outer, saved = _resumed(fresh, model, inner, outer, range(4, 8), rank)
     assert torch.equal(_flat(again), _flat(model)) and again_outer.outer_step == outer.outer_step == 2
+    if follow_inner_lr:
+        return
     other = gradcomp.DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), sync_every=4)
     with pytest.raises(ValueError, match="sync_every"):
         gradcomp.ddp.Checkpointable(other).load_state_dict(saved)
@@ -180,8 +183,39 @@ def _resume(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_resume_continues_bit_for_bit_between_synchronisations():
-    run_ranks(_resume, 2)
+@pytest.mark.parametrize("follow_inner_lr", [False, True])
+def test_resume_continues_bit_for_bit_between_synchronisations(follow_inner_lr):
+    run_ranks(_resume, 2, follow_inner_lr)
+
+
+def _follow_inner_lr(rank: int, world: int) -> None:
+    def anchors(follow: bool, lrs: list[float]) -> list[torch.Tensor]:
+        model = _net()
+        inner = torch.optim.SGD(model.parameters(), lr=lrs[0])
+        outer = gradcomp.DiLoCo(model, inner, 2, "none", follow_inner_lr=follow)
+        found = []
+        for step, lr in enumerate(lrs):
+            inner.param_groups[0]["lr"] = lr
+            _train(model, inner, outer, [step], rank)
+            if (step + 1) % 2 == 0:
+                found.append(torch.cat([a.reshape(-1) for a in outer.anchor]))
+        return found
+
+    # At a constant inner learning rate it is DiLoCo's outer step, up to rounding.
+    for plain, follow in zip(anchors(False, [0.1] * 8), anchors(True, [0.1] * 8), strict=True):
+        torch.testing.assert_close(follow, plain, rtol=1e-5, atol=1e-6)
+    # A last period whose learning rate is 0 learns nothing: DiLoCo's momentum still moves
+    # the anchor; following the inner learning rate, it stays.
+    annealed = [0.1] * 4 + [0.05] * 2 + [0.0] * 2
+    plain, follow = anchors(False, annealed), anchors(True, annealed)
+    assert torch.equal(follow[-1], follow[-2]) and not torch.allclose(plain[-1], plain[-2])
+    # A period at half the learning rate: its momentum part is half DiLoCo's.
+    assert not torch.allclose(follow[2], plain[2])
+
+
+@pytest.mark.slow
+def test_following_the_inner_lr_stops_the_outer_momentum_where_the_schedule_ends():
+    run_ranks(_follow_inner_lr, 2)
 
 
 def test_fragments_take_turns_each_every_sync_every_steps():

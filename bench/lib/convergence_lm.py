@@ -47,7 +47,8 @@ LM_BASELINES = ("fp16_hook", "powersgd_hook")
 LM_LABELS = {"fp16_hook": "torch fp16 hook", "powersgd_hook": "torch PowerSGD rank 4"}
 # The model and batches of --task lm (about 0.44M parameters; 150 ms a step on
 # one core of a 2-core Xeon VM).
-LM_MODEL = dict(width=128, layers=2, heads=4, context=64)
+LM_MODEL = dict(width=128, layers=2, heads=4, context=64)  # --gpt changes it
+CORPUS_NAMES = {"stdlib": "the Python standard library", "c10": "torch's c10 C++ headers"}
 LM_BATCH, LM_EVAL_EVERY, LM_EVAL_BATCHES = 32, 50, 8
 # Gradient-compression runs of --task lm whose final validation loss is to be
 # within a bound of dense's (issue targets); other runs are reported only.
@@ -109,8 +110,11 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
 
 
 # lr: the inner AdamW's peak learning rate (default --lr, dense's).
-DILOCO_OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps", "lr")
+DILOCO_OPTIONS = (
+    "sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps", "lr", "follow_inner_lr",
+)  # fmt: skip
 DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps")
+DILOCO_FLAGS = ("follow_inner_lr",)  # 1 or 0
 
 
 def parse_diloco(spec: str) -> dict:
@@ -122,9 +126,13 @@ def parse_diloco(spec: str) -> dict:
         key, _, value = (part.strip() for part in item.partition("="))
         if key in DILOCO_OPTIONS:
             try:
-                outer[key] = int(value) if key in DILOCO_INTEGERS else float(value)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{key} must be a number (in {spec!r})") from None
+                if key in DILOCO_FLAGS:
+                    outer[key] = {"1": True, "0": False}[value]
+                else:
+                    outer[key] = int(value) if key in DILOCO_INTEGERS else float(value)
+            except (ValueError, KeyError):
+                message = f"{key} must be a number (0 or 1 for {DILOCO_FLAGS}) (in {spec!r})"
+                raise argparse.ArgumentTypeError(message) from None
         else:
             kept.append(item)
     _, name, options = parse_run(":".join([name, ",".join(kept)]) if kept else name)
@@ -178,8 +186,9 @@ def adam_groups(net: torch.nn.Module, exact: str | None) -> list[dict]:
 
 def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     """Train one --task lm run on every rank; rank 0's record."""
-    train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"])
-    net = lm.GPT(**LM_MODEL, seed=settings["seed"])
+    train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"], settings.get("corpus", "stdlib"))
+    model_shape = settings.get("model") or LM_MODEL
+    net = lm.GPT(**model_shape, seed=settings["seed"])
     if settings.get("init"):  # --init-steps: the dense start every run shares
         net.load_state_dict(torch.load(settings["init"], weights_only=True))
     one_bucket = run["kind"] == "powersgd_hook"
@@ -229,7 +238,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     scheduler = lm.schedule(optimizer, steps, warmup)
     # The start's steps draw their windows in an order of their own.
     order = torch.Generator().manual_seed(settings["seed"] + settings.get("order_offset", 0))
-    context, batch = LM_MODEL["context"], LM_BATCH
+    context, batch = model_shape["context"], LM_BATCH
 
     def evaluate() -> float:
         return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, batch)
@@ -390,14 +399,15 @@ def lm_describe(settings: dict, corpus: dict, parameters: int) -> str:
     dense = f", compressed runs dense for their first {settings['dense_steps']} steps" * bool(
         settings["dense_steps"]
     )
-    model = LM_MODEL
+    model = settings.get("model") or LM_MODEL
     start = f", every run from the weights of {settings['init_steps']} dense steps" * bool(
         settings.get("init_steps")
     )
     return (
         f"byte-level GPT ({model['layers']} layers, width {model['width']}, {model['heads']} heads, "
-        f"context {model['context']}, {parameters:,} parameters), {corpus['bytes']:,} bytes of the Python "
-        f"standard library ({corpus['validation_bytes']:,} held out), {settings['steps']} steps of "
+        f"context {model['context']}, {parameters:,} parameters), {corpus['bytes']:,} bytes of "
+        f"{CORPUS_NAMES[corpus.get('corpus', 'stdlib')]} ({corpus['validation_bytes']:,} held out), "
+        f"{settings['steps']} steps of "
         f"{LM_BATCH} windows, AdamW lr {settings['lr']} (warm-up {max(1, settings['steps'] // 20)} steps, "
         f"cosine to a tenth) weight decay 0.1, seed {settings['seed']}{dense}{start}"
     )
@@ -418,10 +428,15 @@ def main_lm(args: argparse.Namespace, fail) -> int:
     if not 0 <= args.dense_steps < args.steps:
         fail("need 0 <= --dense-steps < --steps")
     settings = vars(args)
+    settings["model"] = {**LM_MODEL, **(args.gpt or {})}
+    if settings["model"]["width"] % settings["model"]["heads"]:
+        fail("--gpt: width must be a multiple of heads")
     name = "convergence-lm-fsdp" if args.fsdp else "convergence-lm"
+    if args.corpus != "stdlib":
+        name += f"-{args.corpus}"
     results = Results(name, machine(args.spawn, "gloo"), settings, args.out)
     print(f"machine: {results.machine['machine']}", flush=True)
-    _, _, corpus = lm.load_corpus(args.corpus_bytes)
+    _, _, corpus = lm.load_corpus(args.corpus_bytes, args.corpus)
     if args.init_steps < 0 or args.init_steps and args.fsdp:
         fail("need --init-steps >= 0, and none with --fsdp")
     progress = Progress(len(runs) + bool(args.init_steps), args.progress)
@@ -455,7 +470,7 @@ def main_lm(args: argparse.Namespace, fail) -> int:
     parameters = next((r["parameters"] for r in records if "parameters" in r), 0)
     print(lm_describe(settings, corpus, parameters))
     print(lm_report(records))
-    extra = dict(corpus=corpus, model=LM_MODEL)
+    extra = dict(corpus=corpus, model=settings["model"])
     if start is not None:
         os.unlink(settings.pop("init"))
         extra["start"] = dict(

@@ -5,7 +5,9 @@ self-attention and a GELU MLP, the output layer tied to the byte embedding)
 learns to predict the next byte of Python's own standard library sources,
 which every machine with Python has offline. The corpus is the top-level
 ``.py`` files of the standard library in name order, cut to ``corpus_bytes``;
-the last tenth is held out for validation. AdamW with a linear warm-up and a
+the last tenth is held out for validation. A second corpus, ``c10``, is
+another language: the C++ headers of torch's c10 library (``torch/include/c10``,
+1.7 MB, in path order), which every machine with torch has. AdamW with a linear warm-up and a
 cosine decay to a tenth of the peak; every run sees the same batches in the
 same order (a seeded generator), and validation always reads the same
 fixed windows.
@@ -45,10 +47,29 @@ def add_gpt_options(
     )
 
 
-def load_corpus(corpus_bytes: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+CORPORA = ("stdlib", "c10")
+
+
+def corpus_files(corpus: str) -> tuple[str, list[str]]:
+    """(the corpus's folder, its files in order, relative to it)."""
+    if corpus == "stdlib":
+        directory = sysconfig.get_paths()["stdlib"]
+        return directory, sorted(name for name in os.listdir(directory) if name.endswith(".py"))
+    if corpus == "c10":
+        directory = os.path.join(os.path.dirname(torch.__file__), "include", "c10")
+        found = [
+            os.path.relpath(os.path.join(root, name), directory)
+            for root, _, names in os.walk(directory)
+            for name in names
+            if name.endswith(".h")
+        ]
+        return directory, sorted(found)
+    raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
+
+
+def load_corpus(corpus_bytes: int, corpus: str = "stdlib") -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(train bytes, validation bytes, a description) as uint8 tensors."""
-    directory = sysconfig.get_paths()["stdlib"]
-    names = sorted(name for name in os.listdir(directory) if name.endswith(".py"))
+    directory, names = corpus_files(corpus)
     chunks, total = [], 0
     for name in names:
         with open(os.path.join(directory, name), "rb") as file:
@@ -59,7 +80,11 @@ def load_corpus(corpus_bytes: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     data = torch.frombuffer(bytearray(b"".join(chunks)[:corpus_bytes]), dtype=torch.uint8)
     split = len(data) * 9 // 10
     description = dict(
-        source=directory, files=len(chunks), bytes=len(data), validation_bytes=len(data) - split
+        corpus=corpus,
+        source=directory,
+        files=len(chunks),
+        bytes=len(data),
+        validation_bytes=len(data) - split,
     )
     return data[:split], data[split:], description
 

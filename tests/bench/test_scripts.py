@@ -398,6 +398,26 @@ def test_convergence_lm_task_starts_every_run_from_the_same_dense_steps(tmp_path
     assert [r["run"] for r in rows] == ["dense", "DiLoCo int4:sync_every=2"]
 
 
+@pytest.mark.slow
+def test_convergence_lm_task_trains_another_gpt_on_another_corpus(tmp_path):
+    shape = dict(width=32, layers=3, heads=2, context=16)
+    args = ["--task", "lm", "--steps", "4", "--corpus-bytes", "20000", "--corpus", "c10", "--compressors"]
+    args += ["--gpt", ",".join(f"{k}={v}" for k, v in shape.items()), "--baselines", "--adam"]
+    args += ["--diloco", "int4:sync_every=2,follow_inner_lr=1", "--out", str(tmp_path)]
+    result = run_script("convergence.py", *args)
+    assert "bytes of torch's c10 C++ headers" in result.stdout
+    rows, document = read_results(tmp_path, stem("convergence-lm-c10"))
+    corpus = document["corpus"]
+    assert document["model"] == shape and corpus["corpus"] == "c10" and corpus["bytes"] == 20000
+    assert corpus["source"].endswith(os.path.join("include", "c10"))
+    numel = sum(p.numel() for p in importlib.import_module("lib.lm").GPT(**shape, seed=0).parameters())
+    int4 = gradcomp.collectives.cost_model.cost("int4", numel, 2).bytes_sent
+    assert float(rows[1]["bytes_per_step"]) == pytest.approx(2 * int4 / 4, rel=1e-12)  # two exchanges
+    assert all(math.isfinite(float(r["validation_loss"])) for r in rows)
+    bad = run_script("convergence.py", "--task", "lm", "--gpt", "depth=3", check=False)
+    assert bad.returncode == 2 and "--gpt takes" in bad.stderr
+
+
 def test_init_steps_are_for_the_lm_task():
     result = run_script("convergence.py", "--init-steps", "3", check=False)
     assert result.returncode == 2 and "--init-steps is for --task lm" in result.stderr
