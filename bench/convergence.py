@@ -55,15 +55,26 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lib import lm, spawning
-from lib.convergence_lm import LM_ADAM, LM_BASELINES, LM_COMPRESSORS, LM_LR, LM_MODEL, main_lm
+from lib.convergence_lm import (
+    LM_ADAM,
+    LM_BASELINES,
+    LM_COMPRESSORS,
+    LM_LR,
+    LM_MODEL,
+    START_ORDER_OFFSET,
+    main_lm,
+    parse_diloco,
+)
 from lib.machine import machine
 from lib.options import add_common_options
 from lib.plots import figure
@@ -127,9 +138,10 @@ def parser() -> argparse.ArgumentParser:
         nargs="*",
         default=[],
         metavar="NAME[:k=v,...]",
-        help="lm: DiLoCo runs, pseudo-gradients through NAME (its options, and sync_every=H, "
-        "outer_lr, outer_momentum, fragments, overlap_steps, and lr, the inner AdamW's); each rank "
-        "trains with AdamW between synchronisations",
+        help="DiLoCo runs, pseudo-gradients through NAME (its options, and sync_every=H, "
+        "outer_lr, outer_momentum, fragments, overlap_steps, follow_inner_lr=0|1, and lr, the inner "
+        "optimizer's); each rank trains on its own between synchronisations (lm: AdamW; mlp and "
+        "vision: SGD)",
     )
     top.add_argument(
         "--epochs", type=int, default=150, help="mlp: passes over the training set (default 150)"
@@ -139,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
         "--init-steps",
         type=int,
         default=0,
-        help="lm: every run starts from the weights of N dense DDP steps (their own schedule and "
+        help="every run starts from the weights of N dense DDP steps (their own schedule and "
         "data order), as DiLoCo starts from a pretrained model (default 0: from scratch)",
     )
     top.add_argument(
@@ -203,15 +215,15 @@ def gpt_shape(text: str) -> dict:
     return shape
 
 
-def plan(specs: list[str]) -> list[dict]:
-    """Dense first, then every compressor with and without error feedback."""
+def plan(specs: list[str], diloco: list[str] = ()) -> list[dict]:
+    """Dense first, then every compressor with and without error feedback, then the DiLoCo runs."""
     runs = [dict(label="dense", name=None, options={}, feedback=None)]
     for spec in specs:
         label, name, options = parse_run(spec)
         for feedback in (True, False):
             shown = f"{label} ({'feedback' if feedback else 'no feedback'})"
             runs.append(dict(label=shown, name=name, options=options, feedback=feedback))
-    return runs
+    return runs + [dict(parse_diloco(spec), feedback=None) for spec in diloco]
 
 
 def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, progress, done: int) -> dict:
@@ -222,9 +234,13 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         net = make_cnn(settings["width"], classes, settings["seed"])
     else:
         net = make_mlp(x.shape[1], settings["width"], classes, settings["seed"])
-    model = DistributedDataParallel(net)
+    if settings.get("init"):  # --init-steps: the dense start every run shares
+        net.load_state_dict(torch.load(settings["init"], weights_only=True))
+    diloco = run.get("kind") == "diloco"
+    model = net if diloco else DistributedDataParallel(net)  # DiLoCo: each rank its own model
+    outer_options = dict(run.get("diloco") or {})
     state = None
-    if run["name"] is not None:
+    if run["name"] is not None and not diloco:
         options = {**run["options"], "feedback": run["feedback"]}
         state = gradcomp.ddp.register(
             model,
@@ -236,18 +252,25 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         )
     optimizer = torch.optim.SGD(
         model.parameters(),
-        lr=settings["lr"],
+        lr=outer_options.pop("lr", settings["lr"]),
         momentum=settings["momentum"],
         weight_decay=settings["weight_decay"],
     )
+    outer = None
+    if diloco:
+        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     batch = settings["batch_size"]
     steps_per_epoch = len(x) // batch
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, settings["epochs"] * steps_per_epoch)
-    shuffle = torch.Generator().manual_seed(settings["seed"])
+    steps = min(settings["epochs"] * steps_per_epoch, settings.get("max_steps") or math.inf)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    # A dense start (--init-steps) shuffles in an order of its own.
+    shuffle = torch.Generator().manual_seed(settings["seed"] + settings.get("order_offset", 0))
     curve, step_seconds = [], []
     for epoch in range(settings["epochs"]):
         order = torch.randperm(len(x), generator=shuffle)
         for start in range(0, steps_per_epoch * batch, batch):
+            if len(step_seconds) == steps:
+                break
             shard = order[start : start + batch][rank::world_size]
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
@@ -255,12 +278,23 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
             optimizer.step()
             schedule.step()
             step_seconds.append(time.perf_counter() - began)
+            if outer is not None:
+                outer.step()
         curve.append(evaluate(net, data)[0])
         progress.update(done + epoch + 1, run["label"])
+    if outer is not None and (
+        outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every
+    ):
+        outer.synchronize()  # every fragment, landed: the model every rank holds
+    if settings.get("save") and rank == 0:  # --init-steps' dense start, for the runs to share
+        torch.save(net.state_dict(), settings["save"])
     train_loss, accuracy, test_loss = evaluate(net, data)
     numel = sum(p.numel() for p in net.parameters())
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
-    sent = statistics.mean(s.bytes_sent for s in state.stats) if state else dense_bytes
+    if outer is not None:
+        sent = outer.bytes_sent / len(step_seconds)
+    else:
+        sent = statistics.mean(s.bytes_sent for s in state.stats) if state else dense_bytes
     return dict(
         run=run["label"],
         compressor=run["name"] or "dense",
@@ -380,6 +414,8 @@ def make_cnn(channels: int, classes: int, seed: int) -> torch.nn.Module:
 def describe(settings: dict, records: list[dict]) -> str:
     steps = settings["dense_steps"]
     dense = f", compressed runs dense for their first {steps} steps" if steps else ""
+    if settings.get("init_steps"):
+        dense += f", every run from the weights of {settings['init_steps']} dense steps"
     width = settings["width"]
     model = (
         f"MLP 64-{width}-{width}-10"
@@ -401,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     args.compressors = split_list(list(default) if args.compressors is None else args.compressors)
     if args.adam is not None and args.task != "lm":
         parser().error("--adam is for --task lm")
-    if args.init_steps and args.task != "lm":
-        parser().error("--init-steps is for --task lm")
     if args.adam is None:
         args.adam = list(LM_ADAM) if args.task == "lm" else []
     args.adam = split_list(args.adam)
@@ -413,9 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "lm":
         return main_lm(args, parser().error)
     try:
-        runs = plan(args.compressors)
+        runs = plan(args.compressors, args.diloco)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
+    if args.init_steps < 0:
+        parser().error("need --init-steps >= 0")
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:
         parser().error("need --epochs >= 1, --spawn >= 2 and --batch-size >= --spawn")
     if args.dense_steps < 0:
@@ -429,16 +465,38 @@ def main(argv: list[str] | None = None) -> int:
     # Every run in one spawn: allow a second an epoch a run a rank (a 2-core
     # machine takes about a third of that), and never less than ten minutes.
     timeout = max(600.0, len(runs) * args.epochs * args.spawn)
+    extra = {}
     try:
+        if args.init_steps:
+            extra["start"] = initial_weights(settings)
         records = spawning.spawn(ranks, args.spawn, runs, settings, timeout=timeout)
     except RanksFailed as error:
         sys.stderr.write(f"convergence failed: {error}\n")
         return 1
+    finally:
+        if settings.get("init"):
+            os.unlink(settings.pop("init"))
     derive(records)
     print(describe(settings, records))
     print(format_report(records))
-    publish_curves(results, records, plot)
+    publish_curves(results, records, plot, extra=extra)
     return 0
+
+
+def initial_weights(settings: dict) -> dict:
+    """--init-steps for the mlp and vision tasks: dense DDP trains that many steps (its own
+    cosine schedule, batches in an order of their own) and saves its weights, which every
+    run then starts from (``settings["init"]``); the start's losses."""
+    handle, path = tempfile.mkstemp(prefix="gradcomp-convergence-start-", suffix=".pt")
+    os.close(handle)
+    steps_per_epoch = 1347 // settings["batch_size"]  # the digits' training images
+    epochs = -(-settings["init_steps"] // steps_per_epoch)
+    start = dict(settings, epochs=epochs, max_steps=settings["init_steps"], save=path)
+    start.update(order_offset=START_ORDER_OFFSET, progress=False)
+    dense = dict(label="start", name=None, options={}, feedback=None)
+    (record,) = spawning.spawn(ranks, settings["spawn"], [dense], start, timeout=600.0)
+    settings["init"] = path
+    return dict(steps=settings["init_steps"], train_loss=record["train_loss"], test_loss=record["test_loss"])
 
 
 # ----------------------------------------------------------------------------- --task lm

@@ -418,9 +418,28 @@ def test_convergence_lm_task_trains_another_gpt_on_another_corpus(tmp_path):
     assert bad.returncode == 2 and "--gpt takes" in bad.stderr
 
 
-def test_init_steps_are_for_the_lm_task():
-    result = run_script("convergence.py", "--init-steps", "3", check=False)
-    assert result.returncode == 2 and "--init-steps is for --task lm" in result.stderr
+@pytest.mark.slow
+def test_convergence_vision_task_runs_diloco_from_a_dense_start(tmp_path):
+    args = ["--task", "vision", "--epochs", "2", "--compressors", "--init-steps", "30"]
+    args += ["--diloco", "int4:sync_every=4", "none:sync_every=5,follow_inner_lr=1", "--out", str(tmp_path)]
+    result = run_script("convergence.py", *args)
+    assert "every run from the weights of 30 dense steps" in result.stdout
+    rows, document = read_results(tmp_path, stem("convergence-vision"))
+    assert [r["run"] for r in rows] == [
+        "dense",
+        "DiLoCo int4:sync_every=4",
+        "DiLoCo none:sync_every=5,follow_inner_lr=1",
+    ]
+    start = document["start"]
+    # Every run starts below the untrained CNN's loss (ln 10), from the start's weights.
+    assert start["steps"] == 30 and start["train_loss"] < math.log(10) - 0.1
+    assert all(curve[0] < start["train_loss"] for curve in document["curves"].values())
+    numel = sum(p.numel() for p in importlib.import_module("convergence").make_cnn(16, 10, 0).parameters())
+    # 2 epochs of 21 steps: 10 exchanges at H = 4, then synchronize() at step 42; 9 at H = 5, then one.
+    int4 = gradcomp.collectives.cost_model.cost("int4", numel, 2).bytes_sent
+    assert float(rows[1]["bytes_per_step"]) == pytest.approx(11 * int4 / 42, rel=1e-12)
+    dense = float(rows[0]["bytes_per_step"])
+    assert float(rows[2]["bytes_per_step"]) == pytest.approx(9 * dense / 42, rel=1e-12)
 
 
 @pytest.mark.slow
