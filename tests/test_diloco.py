@@ -129,13 +129,13 @@ def test_one_step_a_synchronisation_without_compression_is_ddp():
     run_ranks(_like_ddp, 2)
 
 
-def _conserved(rank: int, world: int) -> None:
+def _conserved(rank: int, world: int, compressor: str) -> None:
     """What the exchange dropped stays in the residuals: over the ranks, the decoded mean
     times the ranks plus the new residuals is the pseudo-gradients plus the old ones."""
     model = _net()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     options = {"algorithm": "allgather", "outer_momentum": 0.0}
-    outer = gradcomp.DiLoCo(model, inner, 2, "int4", **options)
+    outer = gradcomp.DiLoCo(model, inner, 2, compressor, **options)
     _train(model, inner, outer, range(3), rank)  # one exchange (a residual), one local step
     x, y = _batch(3, rank)
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -154,9 +154,44 @@ def _conserved(rank: int, world: int) -> None:
     assert new.abs().max() > 0 and old.abs().max() > 0
 
 
+# The pseudo-gradients' compressors: 4 and 2 bits, Top-K, and Top-K with 2-bit values (SparseLoCo's).
+OUTER_COMPRESSORS = ["int4", "int2", "topk:ratio=0.1", "topk:ratio=0.1,value_bits=2"]
+
+
 @pytest.mark.slow
-def test_error_feedback_is_conserved_across_synchronisations():
-    run_ranks(_conserved, 2)
+@pytest.mark.parametrize("compressor", OUTER_COMPRESSORS)
+def test_error_feedback_is_conserved_across_synchronisations(compressor):
+    run_ranks(_conserved, 2, compressor)
+
+
+def _fragments_identical(rank: int, world: int, compressor: str, fragments: int, overlap: int) -> None:
+    """Each fragment's weights and anchor are every rank's alike once its exchange
+    has landed (the others' weights still this rank's own); all of them after synchronize()."""
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = gradcomp.DiLoCo(model, inner, 4, compressor, fragments=fragments, overlap_steps=overlap)
+    landed = 0
+    for step in range(13):  # ends a step after a landing: the ranks' weights differ
+        before = list(outer.outer_steps)
+        _train(model, inner, outer, [step], rank)
+        for fragment, indices in enumerate(outer.fragments):
+            if outer.outer_steps[fragment] > before[fragment]:
+                landed += 1
+                anchor = torch.cat([outer.anchor[i].reshape(-1) for i in indices])
+                assert same_on_all_ranks(anchor), (step, fragment)
+                if not overlap:  # overlapped, the weights hold what this rank learnt meanwhile
+                    weights = torch.cat([outer.params[i].detach().reshape(-1) for i in indices])
+                    assert same_on_all_ranks(weights), (step, fragment)
+    assert landed >= 2 * fragments and not same_on_all_ranks(_flat(model))
+    outer.synchronize()
+    assert same_on_all_ranks(_flat(model)) and outer.bytes_sent > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compressor", OUTER_COMPRESSORS[1:])
+@pytest.mark.parametrize("fragments, overlap", [(1, 0), (2, 1)])
+def test_each_fragment_is_identical_on_every_rank_once_it_lands(compressor, fragments, overlap):
+    run_ranks(_fragments_identical, 2, compressor, fragments, overlap)
 
 
 def _resume(rank: int, world: int, follow_inner_lr: bool) -> None:

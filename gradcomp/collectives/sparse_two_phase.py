@@ -165,5 +165,6 @@ def split_by_range(
 
 
 def accepts(compressor: Compressor) -> bool:
-    """Whether ``compressor``'s payloads go through :func:`sparse_two_phase` (Top-K's)."""
-    return isinstance(compressor, TopK)
+    """Whether ``compressor``'s payloads go through :func:`sparse_two_phase` (Top-K's, its
+    values as they are)."""
+    return isinstance(compressor, TopK) and compressor.value_bits is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradcomp import ops
@@ -9,6 +11,8 @@ from gradcomp.compressors.base import Compressor, Context, resolve_k, without_gr
 from gradcomp.payload import Layout, Payload, row_views
 
 INDEX_DTYPES = {"auto": None, "int32": torch.int32, "int64": torch.int64}
+# Top-K's kept values quantized (value_bits): the values sharing one absmax scale.
+VALUE_BLOCK = 64
 
 
 def _check_ratio_k(ratio, k) -> tuple[float | None, int | None]:
@@ -48,9 +52,14 @@ class _Sparse(Compressor):
     def decode_rows(self, rows: torch.Tensor, out: torch.Tensor, meta: dict[str, int], divisor: int) -> None:
         self._sum(rows, out.dtype, out, meta, divisor, ops.implementation("scatter_add", out.device))
 
+    def _values(self, fields: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        """The kept values of each row of ``fields``, ``(rows, k)``."""
+        return fields["values"]
+
     def _sum(self, rows, dtype, out, meta, divisor: int, scatter_add) -> None:
         fields = row_views(rows, self.payload_layout(out.numel(), dtype, meta))
-        values = fields["values"].to(torch.promote_types(fields["values"].dtype, torch.float32))
+        values = self._values(fields, meta["k"])
+        values = values.to(torch.promote_types(values.dtype, torch.float32))
         if divisor != 1:
             values = values / divisor
         total = out if out.dtype == torch.float32 else torch.empty(out.numel(), device=out.device)
@@ -85,10 +94,17 @@ class TopK(_Sparse):
             :func:`gradcomp.ops.reference.topk_select`).
         index_dtype: ``"auto"`` (int32 below 2**31 elements, else int64),
             ``"int32"`` or ``"int64"``.
+        value_bits: None (the values in the tensor's dtype), or 8, 4 or 2: the
+            kept values quantized too, with one absmax scale per
+            :data:`VALUE_BLOCK` values (int2: -1, 0, +1 times the scale), their
+            error kept in the residual with what was not selected (Top-K and
+            2-bit values, as SparseLoCo sends DiLoCo's pseudo-gradients). Its
+            payloads go through ``allgather``.
 
     Example:
         >>> c = gradcomp.get_compressor("topk", ratio=0.01)
         >>> p = c.compress(grad); p.meta["k"]
+        >>> c = gradcomp.get_compressor("topk:ratio=0.02,value_bits=2")
     """
 
     name = "topk"
@@ -100,6 +116,7 @@ class TopK(_Sparse):
         k: int | None = None,
         exact: bool = False,
         index_dtype: str = "auto",
+        value_bits: int | None = None,
         feedback: bool | None = None,
         seed: int = 0,
     ):
@@ -107,15 +124,27 @@ class TopK(_Sparse):
         self.ratio, self.k = _check_ratio_k(ratio, k)
         if index_dtype not in INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {list(INDEX_DTYPES)}, got {index_dtype!r}")
+        if value_bits is not None and (type(value_bits) is not int or value_bits not in (8, 4, 2)):
+            raise ValueError(f"value_bits must be None, 8, 4 or 2, got {value_bits!r}")
         self.exact = bool(exact)
         self.index_dtype = index_dtype
+        self.value_bits = value_bits
 
     def _index_dtype(self, numel: int) -> torch.dtype:
         return INDEX_DTYPES[self.index_dtype] or ops.index_dtype_for(numel)
 
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
         k = meta["k"]
+        if self.value_bits is not None:
+            return [
+                ("indices", self._index_dtype(numel), k),
+                ("scales", torch.float32, math.ceil(k / VALUE_BLOCK)),
+                ("codes", torch.uint8, math.ceil(k * self.value_bits / 8)),
+            ]
         return [("indices", self._index_dtype(numel), k), ("values", dtype, k)]
+
+    def _levels(self) -> int:
+        return 2 ** (self.value_bits - 1) - 1
 
     def _encode(self, flat: torch.Tensor, ctx: Context):
         k = resolve_k(flat.numel(), self.ratio, self.k)
@@ -126,12 +155,52 @@ class TopK(_Sparse):
             self.exact,
             seed=self._private_seed(ctx),
             index_dtype=self._index_dtype(flat.numel()),
-            value_dtype=flat.dtype,
+            value_dtype=torch.float32 if self.value_bits is not None else flat.dtype,
         )
-        return {"indices": indices, "values": values}, {"k": k}
+        if self.value_bits is None:
+            return {"indices": indices, "values": values}, {"k": k}
+        # The selected values' rounding error joins the residual, where the selection left 0.
+        error = None if ctx.residual is None else torch.zeros_like(values)
+        bits, levels = self.value_bits, self._levels()
+        codes, scales = ops.quantize_blockwise(values, bits, VALUE_BLOCK, False, 0, error, levels=levels)
+        if error is not None:
+            ctx.residual.view(-1).index_copy_(0, indices.long(), error.to(ctx.residual.dtype))
+        return {"indices": indices, "scales": scales, "codes": codes}, {"k": k}
+
+    def _values(self, fields: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        """The kept values of each row of ``fields`` (``(rows, k)``, fp32), decoded."""
+        if self.value_bits is None:
+            return fields["values"]
+        bits, levels = self.value_bits, self._levels()
+        decode = ops.dequantize_blockwise
+        rows = zip(fields["codes"], fields["scales"], strict=True)
+        return torch.stack(
+            [decode(codes, scales, bits, VALUE_BLOCK, k, levels=levels) for codes, scales in rows]
+        )
+
+    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
+        if self.value_bits is None:
+            return super()._decode_divided(payload, out, accumulate, divisor)
+        fields = {name: tensor.view(1, -1) for name, tensor in payload.tensors.items()}
+        values = self._values(fields, payload.meta["k"]).view(-1)
+        if divisor != 1:
+            values = values / divisor
+        if out is None:
+            out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
+        elif not accumulate:
+            out.zero_()
+        return ops.scatter_add(self._indices(payload), values.to(out.dtype), out)
 
     @without_grad
     def encode_row(self, flat: torch.Tensor, row: torch.Tensor, ctx: Context) -> dict[str, int]:
+        if self.value_bits is not None:
+            tensors, meta = self._encode(flat, ctx)
+            layout = self.payload_layout(flat.numel(), flat.dtype, meta)
+            fields = row_views(row.view(1, -1), layout)
+            for name, tensor in tensors.items():
+                fields[name][0].copy_(tensor.reshape(-1))
+            row[sum(count * dtype.itemsize for _, dtype, count in layout) :].zero_()  # as to_buffer pads
+            return meta
         numel = flat.numel()
         k = resolve_k(numel, self.ratio, self.k)
         select = ops.implementation("topk_select", flat.device)

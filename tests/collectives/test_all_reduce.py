@@ -90,7 +90,7 @@ def test_none_equals_torch_all_reduce():
 def _allgather_equals_local_decoding(rank: int, world_size: int) -> None:
     # The allgather result is, bit for bit, the rank-ordered sum of every
     # rank's own decoded payload (each rank compresses with its own Context).
-    for name in ("int8", "int4", "sign", "topk", "qsgd"):
+    for name in ("int8", "int4", "sign", "topk", "qsgd", "topk:ratio=0.05,value_bits=2"):
         compressor = gradcomp.get_compressor(name)
         x = _input(rank, 3001, torch.float32, salt=7)
         everyone = gather(x)
@@ -207,7 +207,7 @@ def _feedback_loses_nothing(rank: int, world_size: int) -> None:
     # Sum over ranks of what went in (input + old residuals) equals what came
     # out (W * average) plus what stayed behind (new residuals), for every
     # biased compressor and algorithm, over several steps.
-    for name in ("int8", "int2", "sign", "topk", "randk"):
+    for name in ("int8", "int2", "sign", "topk", "randk", "topk:value_bits=2"):
         compressor = gradcomp.get_compressor(name)
         for algorithm in valid_algorithms(compressor):
             memory = gradcomp.ErrorFeedback()

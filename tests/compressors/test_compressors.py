@@ -34,6 +34,8 @@ VARIANTS = [(name, {}) for name in NAMES] + [
     ("sign", {"block": 100}),
     ("topk", {"exact": True}),
     ("topk", {"ratio": 0.1, "index_dtype": "int64"}),
+    ("topk", {"ratio": 0.1, "value_bits": 2}),
+    ("topk", {"value_bits": 8}),
     ("randk", {"rescale": True}),
     ("randk", {"k": 7}),
 ]
@@ -49,7 +51,8 @@ VARIANT_IDS = [variant_id(v) for v in VARIANTS]
 
 def feedback_is_exact(name: str, options: dict) -> bool:
     """Whether decoded + residual reproduces x + residual bit for bit (values sent as copies)."""
-    return name in ("none", "topk") or (name == "randk" and not options.get("rescale", False))
+    plain_topk = name == "topk" and "value_bits" not in options
+    return name == "none" or plain_topk or (name == "randk" and not options.get("rescale", False))
 
 
 # ============================================================================= round trip
@@ -101,6 +104,9 @@ RELATIVE_ERROR = {
     "sign-block=100": (0.59, 0.615),
     "topk-exact=True": (0.955, 0.959),
     "topk-ratio=0.1-index_dtype=int64": (0.70, 0.78),
+    # int2 values: every kept value about the block's absmax (Top-K's 0.75 above).
+    "topk-ratio=0.1-value_bits=2": (0.83, 0.86),
+    "topk-value_bits=8": (0.955, 0.959),
     "randk-rescale=True": (9.0, 11.0),
     "randk-k=7": (0.9999, 1.0),
     # A vector is sent as it is; tests/compressors/test_low_rank.py covers matrices.
@@ -149,6 +155,8 @@ def expected_nbytes(name: str, options: dict, numel: int, dtype: torch.dtype, k:
         return math.ceil(numel / 8) + scales
     if name == "topk":
         index = 8 if options.get("index_dtype") == "int64" else 4
+        if "value_bits" in options:  # the kept values quantized, one fp32 scale a VALUE_BLOCK
+            return k * index + 4 * math.ceil(k / 64) + math.ceil(k * options["value_bits"] / 8)
         return k * (index + element)
     if name == "randk":
         return k * element
@@ -361,6 +369,8 @@ NEEDS_FEEDBACK = {
     "sign-block=100": True,
     "topk-exact=True": True,
     "topk-ratio=0.1-index_dtype=int64": True,
+    "topk-ratio=0.1-value_bits=2": True,
+    "topk-value_bits=8": True,
     "randk-rescale=True": False,
     "randk-k=7": True,
     "powersgd": True,
@@ -447,6 +457,19 @@ def test_unknown_name_and_option_raise():
     assert get_compressor(instance) is instance
     with pytest.raises(ValueError):
         get_compressor(instance, block=64)
+
+
+def test_topk_value_bits_are_checked_and_take_allgather():
+    from gradcomp.collectives.policy import check_algorithm, default_algorithm
+
+    for bad in (3, 1, 16, "2", 8.0, True):
+        with pytest.raises(ValueError, match="value_bits"):
+            get_compressor("topk", value_bits=bad)
+    quantized = get_compressor("topk:value_bits=2")
+    assert default_algorithm(quantized, 16) == "allgather"
+    assert default_algorithm(get_compressor("topk"), 16) == "two_phase"
+    with pytest.raises(ValueError, match="two_phase"):
+        check_algorithm(quantized, "two_phase", 4)
 
 
 @pytest.mark.parametrize("name", ["topk", "randk"])
