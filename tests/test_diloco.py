@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import platform
+import sys
 
 import pytest
 import torch
@@ -415,3 +417,107 @@ def _disagree(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_ranks_with_other_settings_raise_on_every_rank():
     run_ranks(_disagree, 2)
+
+
+# ----------------------------------------------------------------------------- parity with torchft
+
+PARITY_H, PARITY_STEPS = 3, 9
+
+
+def _synced_weights(model, inner, step_outer, rank: int) -> list[torch.Tensor]:
+    """The weights after each synchronisation of ``PARITY_STEPS`` AdamW steps on ``rank``'s batches."""
+    synced = []
+    for step in range(PARITY_STEPS):
+        x, y = _batch(step, rank)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        step_outer()
+        if (step + 1) % PARITY_H == 0:
+            synced.append(_flat(model).clone())
+    return synced
+
+
+def _torchft_replica(replica: int, lighthouse: str, path: str) -> None:
+    """One replica group of one process under torchft's Manager and DiLoCo (its own store,
+    Gloo; the weights start alike, so no first sync), DiLoCo's outer SGD of 0.7 and
+    Nesterov momentum 0.9."""
+    from datetime import timedelta
+
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    timeout = timedelta(seconds=60)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=2,
+        use_async_quorum=False,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        init_sync=False,
+    )
+    options = {"backup_device": torch.device("cpu"), "pin_memory": False}
+    try:
+        with DiLoCo(manager, [model], inner, outer, PARITY_H, **options):
+            synced = _synced_weights(model, inner, lambda: None, replica)  # torchft syncs in inner's hook
+    finally:
+        manager.shutdown(wait=False)
+    torch.save(synced, path)
+
+
+def _gradcomp_replica(rank: int, world: int) -> list[torch.Tensor]:
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = gradcomp.DiLoCo(model, inner, PARITY_H, "none", outer_lr=0.7, outer_momentum=0.9)
+    return _synced_weights(model, inner, outer.step, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and platform.machine() == "x86_64"),
+    reason="torchft ships wheels for Linux x86-64 only ('.[test]' installs it there)",
+)
+def test_uncompressed_diloco_is_torchfts_bit_for_bit(tmp_path):
+    """torchft's DiLoCo (2 replica groups, a Lighthouse, Gloo) and gradcomp's without
+    compression hold the same weights after every synchronisation."""
+    import multiprocessing
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    context = multiprocessing.get_context("spawn")
+    paths = [str(tmp_path / f"replica{r}.pt") for r in range(2)]
+    address = lighthouse.address()
+    replicas = [context.Process(target=_torchft_replica, args=(r, address, paths[r])) for r in range(2)]
+    try:
+        for process in replicas:
+            process.start()
+        for process in replicas:
+            process.join(timeout=180)
+            assert process.exitcode == 0, f"a torchft replica ended with {process.exitcode}"
+    finally:
+        for process in replicas:
+            process.kill()
+        lighthouse.shutdown()
+    theirs = [torch.load(path) for path in paths]
+    ours = run_ranks(_gradcomp_replica, 2)
+    assert len(theirs[0]) == PARITY_STEPS // PARITY_H
+    for synced in theirs:
+        for n, (mine, torchfts) in enumerate(zip(ours, synced, strict=True)):
+            assert torch.equal(mine, torchfts), f"synchronisation {n}: {(mine - torchfts).abs().max()}"
