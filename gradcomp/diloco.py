@@ -65,6 +65,18 @@ class DiLoCo:
     hook), as DiLoCo's paper does: from scratch, local steps cost more of the loss
     (bench/reports/diloco-cpu2-2026-12-04.md).
 
+    The outer step and the inner schedule: a pseudo-gradient is the sum of a
+    period's inner steps, each scaled by its learning rate, so DiLoCo's outer
+    momentum carries the large steps of a high learning rate into the periods
+    after it has decayed, and keeps pushing once the schedule has annealed.
+    ``follow_inner_lr=True`` relates the outer momentum to the inner learning
+    rate as SGD's momentum relates to its own: the buffer sums each period's
+    pseudo-gradient divided by the sum of its inner learning rates, and an
+    outer step is ``outer_lr * (delta + momentum * S * buffer)`` (Nesterov)
+    with ``S`` that sum for the period just ended. A constant learning rate
+    gives DiLoCo's step; a period at no learning rate adds nothing and moves
+    nothing.
+
     Args:
         model: the module each rank trains (no DDP: each rank trains on its own
             between synchronisations). Rank 0's parameters and buffers are
