@@ -217,6 +217,11 @@ def _resume(rank: int, world: int, follow_inner_lr: bool) -> None:
     reloaded.load_state_dict(old)
     assert reloaded.outer_steps == outer.outer_steps and reloaded.local_step == outer.local_step
     assert all(torch.equal(a, b) for a, b in zip(reloaded.anchor, outer.anchor, strict=True))
+    # A state saved before follow_inner_lr (schema 2) took DiLoCo's outer step: the default
+    # refuses it and says how to resume it.
+    before = {**state, "version": 2, "settings": dict(old["settings"], fragments=1, overlap_steps=0)}
+    with pytest.raises(ValueError, match="follow_inner_lr=False to resume it"):
+        _fresh(3)[2].load_state_dict(before)
 
 
 @pytest.mark.slow
@@ -484,7 +489,8 @@ def _torchft_replica(replica: int, lighthouse: str, path: str) -> None:
 def _gradcomp_replica(rank: int, world: int) -> list[torch.Tensor]:
     model = _net()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = gradcomp.DiLoCo(model, inner, PARITY_H, "none", outer_lr=0.7, outer_momentum=0.9)
+    options = {"outer_lr": 0.7, "outer_momentum": 0.9, "follow_inner_lr": False}  # torchft's outer step
+    outer = gradcomp.DiLoCo(model, inner, PARITY_H, "none", **options)
     return _synced_weights(model, inner, outer.step, rank)
 
 
