@@ -210,10 +210,15 @@ class DiLoCo:
         }
 
     def _count_lr(self, optimizer, args, kwargs) -> None:
-        """(before each inner step) Add the learning rate it takes to every fragment's sums."""
+        """(before each inner step) Add the learning rate it takes to every fragment's sums
+        (a tensor learning rate is added as a tensor: no host sync a step; :meth:`_start`
+        reads the sums once an exchange)."""
         for sums in self.lr_sums:
             for g, group in enumerate(optimizer.param_groups):
-                sums[g] += float(group["lr"])
+                sums[g] = sums[g] + group["lr"]
+
+    def _read_lr_sums(self) -> list[list[float]]:
+        return [[float(x) for x in sums] for sums in self.lr_sums]
 
     @property
     def outer_step(self) -> int:
@@ -256,7 +261,8 @@ class DiLoCo:
     def _start(self, fragment: int, lands: int) -> _Exchange:
         """Send fragment's pseudo-gradients (anchor - weights) into the all-reduce."""
         exchange = _Exchange(fragment, lands)
-        exchange.lr_sums, self.lr_sums[fragment] = self.lr_sums[fragment], [0.0] * len(self.lr_sums[fragment])
+        exchange.lr_sums = [float(x) for x in self.lr_sums[fragment]]
+        self.lr_sums[fragment] = [0.0] * len(self.lr_sums[fragment])
         indices = self.fragments[fragment]
         if lands > self.local_step:  # training goes on: what it learns meanwhile is kept
             exchange.snapshot = [self.params[i].detach().clone() for i in indices]
@@ -312,13 +318,11 @@ class DiLoCo:
         """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it; with
         ``lr_sum`` (follow_inner_lr) the buffer sums ``gradient / lr_sum`` and its part of
         the step is scaled by ``lr_sum`` (a period without learning rate adds nothing)."""
-        update = gradient
+        update, scale = gradient, 1.0 if lr_sum is None else lr_sum
         if self.outer_momentum:
-            buffer, scale = self.momentum[i], 1.0 if lr_sum is None else lr_sum
-            if lr_sum is None:
-                added = gradient
-            else:
-                added = gradient / lr_sum if lr_sum > 0 else torch.zeros_like(gradient)
+            buffer = self.momentum[i]
+            added = gradient if scale == 1.0 else gradient / scale if scale > 0 else None
+            added = torch.zeros_like(gradient) if added is None else added
             if first:
                 buffer.copy_(added)
             else:
@@ -326,7 +330,7 @@ class DiLoCo:
             if self.nesterov:
                 update = gradient.add(buffer, alpha=self.outer_momentum * scale)
             else:
-                update = buffer if lr_sum is None else buffer.mul(scale)
+                update = buffer if scale == 1.0 else buffer.mul(scale)
         self.anchor[i].add_(update, alpha=-self.outer_lr)
 
     def state_dict(self) -> dict:
@@ -348,7 +352,7 @@ class DiLoCo:
             "bytes_sent": self.bytes_sent,
             "anchor": [t.clone() for t in self.anchor],
             "momentum": [t.clone() for t in self.momentum],
-            "lr_sums": [list(sums) for sums in self.lr_sums],
+            "lr_sums": self._read_lr_sums(),
             "feedback": self.feedback.state_dict(),
             "weights": [p.detach().clone() for p in self.params],
             "inner": copy.deepcopy(self.inner.state_dict()),
@@ -379,7 +383,7 @@ class DiLoCo:
         device = self.params[0].device
         counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        lr_sums = torch.tensor(self.lr_sums, dtype=torch.float64, device=device)
+        lr_sums = torch.tensor(self._read_lr_sums(), dtype=torch.float64, device=device)
         for tensor in [*self.params, *self.anchor, *self.momentum, counters, lr_sums]:
             dist.broadcast(tensor, src=source, group=self.group)
         self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())

@@ -71,7 +71,8 @@ class _Sparse(Compressor):
         return self._decode_divided(payload, out, accumulate, 1)
 
     def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
-        values = payload.tensors["values"]
+        fields = {name: tensor.view(1, -1) for name, tensor in payload.tensors.items()}
+        values = self._values(fields, payload.meta.get("k", 0)).view(-1)
         if divisor != 1:
             values = values.to(torch.promote_types(values.dtype, torch.float32)) / divisor
         if out is None:
@@ -178,29 +179,10 @@ class TopK(_Sparse):
             [decode(codes, scales, bits, VALUE_BLOCK, k, levels=levels) for codes, scales in rows]
         )
 
-    def _decode_divided(self, payload: Payload, out, accumulate: bool, divisor: int) -> torch.Tensor:
-        if self.value_bits is None:
-            return super()._decode_divided(payload, out, accumulate, divisor)
-        fields = {name: tensor.view(1, -1) for name, tensor in payload.tensors.items()}
-        values = self._values(fields, payload.meta["k"]).view(-1)
-        if divisor != 1:
-            values = values / divisor
-        if out is None:
-            out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
-        elif not accumulate:
-            out.zero_()
-        return ops.scatter_add(self._indices(payload), values.to(out.dtype), out)
-
     @without_grad
     def encode_row(self, flat: torch.Tensor, row: torch.Tensor, ctx: Context) -> dict[str, int]:
-        if self.value_bits is not None:
-            tensors, meta = self._encode(flat, ctx)
-            layout = self.payload_layout(flat.numel(), flat.dtype, meta)
-            fields = row_views(row.view(1, -1), layout)
-            for name, tensor in tensors.items():
-                fields[name][0].copy_(tensor.reshape(-1))
-            row[sum(count * dtype.itemsize for _, dtype, count in layout) :].zero_()  # as to_buffer pads
-            return meta
+        if self.value_bits is not None:  # no row op of its own: compress's bytes
+            return super().encode_row(flat, row, ctx)
         numel = flat.numel()
         k = resolve_k(numel, self.ratio, self.k)
         select = ops.implementation("topk_select", flat.device)
