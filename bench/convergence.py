@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME[:k=v,...]",
         help="DiLoCo runs, pseudo-gradients through NAME (its options, and sync_every=H, "
-        "outer_lr, outer_momentum, fragments, overlap_steps, follow_inner_lr=0|1, and lr, the inner "
+        "outer_lr, outer_momentum, fragments, overlap_steps, follow_inner_lr=0|1, total_steps=0|1 (1: DiLoCo "
+        "is given the run's steps and ends with the replicas' average), and lr, the inner "
         "optimizer's); each rank trains on its own between synchronisations (lm: AdamW; mlp and "
         "vision: SGD)",
     )
@@ -256,12 +257,13 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
         momentum=settings["momentum"],
         weight_decay=settings["weight_decay"],
     )
-    outer = None
-    if diloco:
-        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     batch = settings["batch_size"]
     steps_per_epoch = len(x) // batch
     steps = min(settings["epochs"] * steps_per_epoch, settings.get("max_steps") or math.inf)
+    outer = None
+    if diloco:
+        outer_options["total_steps"] = steps if outer_options.get("total_steps") else None
+        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     # A dense start (--init-steps) shuffles in an order of its own.
     shuffle = torch.Generator().manual_seed(settings["seed"] + settings.get("order_offset", 0))
@@ -282,8 +284,10 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
                 outer.step()
         curve.append(evaluate(net, data)[0])
         progress.update(done + epoch + 1, run["label"])
-    if outer is not None and (
-        outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every
+    if (
+        outer is not None
+        and outer.total_steps is None
+        and (outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every)
     ):
         outer.synchronize()  # every fragment, landed: the model every rank holds
     if settings.get("save") and rank == 0:  # --init-steps' dense start, for the runs to share

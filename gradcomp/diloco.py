@@ -127,6 +127,7 @@ class DiLoCo:
         fragments: int = 1,
         overlap_steps: int = 0,
         follow_inner_lr: bool = True,
+        total_steps: int | None = None,
         **compressor_options,
     ):
         if not _is_int(sync_every) or sync_every < 1:
@@ -139,6 +140,10 @@ class DiLoCo:
             raise ValueError(
                 f"overlap_steps must be an int in [0, sync_every={sync_every}) (a fragment's exchange "
                 f"lands before its next one starts), got {overlap_steps!r}"
+            )
+        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+            raise ValueError(
+                f"total_steps must be an int >= 1 (the run's inner steps) or None, got {total_steps!r}"
             )
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
@@ -175,6 +180,7 @@ class DiLoCo:
         self.feedback = ErrorFeedback()
         self.last_stats: ReduceStats | None = None
         self.follow_inner_lr = bool(follow_inner_lr)
+        self.total_steps = total_steps
         groups = {id(p): g for g, group in enumerate(inner.param_groups) for p in group["params"]}
         self._group_of = [groups.get(id(p)) for p in self.params]  # None: the inner optimizer skips it
         # Per fragment and inner group, the learning rates of the inner steps since its exchange.
@@ -183,7 +189,9 @@ class DiLoCo:
         ranks = InlineGroup(group)
         device = self.params[0].device
         wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
-        verify_settings(ranks, "gradcomp.DiLoCo's settings", self.settings(), device)
+        # total_steps may change between a checkpoint and its resume, not between ranks
+        agreed = {**self.settings(), "total_steps": total_steps}
+        verify_settings(ranks, "gradcomp.DiLoCo's settings", agreed, device)
         source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -234,8 +242,19 @@ class DiLoCo:
     def step(self) -> ReduceStats | None:
         """Count an inner step; land the exchanges due now, then start those of the
         fragments whose turn it is (with ``overlap_steps=0`` they land at once: the
-        outer step is taken and its weights loaded). The last landing's statistics, or None."""
+        outer step is taken and its weights loaded). The last landing's statistics, or None.
+
+        At inner step ``total_steps`` (if given) the run ends: every exchange in flight
+        lands, then every fragment is exchanged and its replicas' average loaded, without
+        an outer step (:meth:`_end`); stepping past it raises."""
+        if self.total_steps is not None and self.local_step >= self.total_steps:
+            raise ValueError(
+                f"DiLoCo.step() past total_steps={self.total_steps}: the run ended with the replicas' "
+                "average (make DiLoCo with a larger total_steps to train on)"
+            )
         self.local_step += 1
+        if self.local_step == self.total_steps:
+            return self._end()
         stats = None
         for exchange in [e for e in self.in_flight if e.lands == self.local_step]:
             stats = self._land(exchange)
@@ -256,6 +275,18 @@ class DiLoCo:
             stats = self._land(exchange)
         for fragment in range(len(self.fragments)):
             stats = self._land(self._start(fragment, self.local_step))
+        return stats
+
+    def _end(self) -> ReduceStats | None:
+        """The run's last step: land every exchange in flight, then exchange every
+        fragment and load the replicas' average: ``anchor - mean(anchor - weights)``,
+        the weights they trained to. An outer step would add its momentum's lookahead,
+        which serves a next period; at the end there is none."""
+        stats = None
+        for exchange in list(self.in_flight):
+            stats = self._land(exchange)
+        for fragment in range(len(self.fragments)):
+            stats = self._land(self._start(fragment, self.local_step), average=True)
         return stats
 
     def _start(self, fragment: int, lands: int) -> _Exchange:
@@ -285,8 +316,9 @@ class DiLoCo:
         self.in_flight.append(exchange)
         return exchange
 
-    def _land(self, exchange: _Exchange) -> ReduceStats | None:
-        """Wait for the average, take the outer step on the anchor, load the weights."""
+    def _land(self, exchange: _Exchange, average: bool = False) -> ReduceStats | None:
+        """Wait for the average, take the outer step on the anchor (``average``: subtract
+        the average, no outer step), load the weights."""
         exchange.wait()
         stats = exchange.stats[-1] if exchange.stats else None  # none restored from a checkpoint
         if stats is not None:
@@ -297,11 +329,15 @@ class DiLoCo:
             offset = 0
             for i in indices:
                 numel = self.params[i].numel()
-                lr_sum = None
-                if self.follow_inner_lr:
-                    group = self._group_of[i]
-                    lr_sum = exchange.lr_sums[group] if group is not None else 0.0
-                self._outer(i, delta[offset : offset + numel].view_as(self.params[i]), first, lr_sum)
+                part = delta[offset : offset + numel].view_as(self.params[i])
+                if average:
+                    self.anchor[i].sub_(part)
+                else:
+                    lr_sum = None
+                    if self.follow_inner_lr:
+                        group = self._group_of[i]
+                        lr_sum = exchange.lr_sums[group] if group is not None else 0.0
+                    self._outer(i, part, first, lr_sum)
                 offset += numel
         indices = self.fragments[exchange.fragment]
         if exchange.snapshot is None:

@@ -75,6 +75,8 @@ def _flat(model) -> torch.Tensor:
         ({"sync_every": 4, "fragments": 5}, "more than the model's 4 trained parameters"),
         ({"sync_every": 4, "overlap_steps": 4}, "overlap_steps"),
         ({"sync_every": 4, "overlap_steps": -1}, "overlap_steps"),
+        ({"sync_every": 2, "total_steps": 0}, "total_steps"),
+        ({"sync_every": 2, "total_steps": 2.5}, "total_steps"),
     ],
 )
 def test_bad_options_are_refused(options, match):
@@ -260,6 +262,41 @@ def test_following_the_inner_lr_stops_the_outer_momentum_where_the_schedule_ends
     run_ranks(_follow_inner_lr, 2)
 
 
+def _ends_with_the_average(rank: int, world: int) -> None:
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = gradcomp.DiLoCo(model, inner, sync_every=3, compressor="none", total_steps=7)
+    _train(model, inner, outer, range(6), rank)  # two outer steps
+    momentum = [m.clone() for m in outer.momentum]
+    x, y = _batch(6, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    weights = [torch.empty_like(_flat(model)) for _ in range(world)]
+    dist.all_gather(weights, _flat(model))
+    outer.step()  # the last: the replicas' average, no outer step
+    assert same_on_all_ranks(_flat(model)) and not outer.in_flight and outer.outer_step == 3
+    torch.testing.assert_close(_flat(model), sum(weights) / world, rtol=0, atol=1e-6)
+    assert all(torch.equal(m, before) for m, before in zip(outer.momentum, momentum, strict=True))
+    with pytest.raises(ValueError, match="past total_steps=7"):
+        outer.step()
+    assert outer.local_step == 7
+    # A checkpoint resumes into a longer run: total_steps is the run's, not the state's.
+    model, inner, outer = _fresh(3, total_steps=7)
+    _train(model, inner, outer, range(5), rank)
+    _, _, longer = _fresh(3, total_steps=12)
+    gradcomp.ddp.Checkpointable(longer).load_state_dict(gradcomp.ddp.Checkpointable(outer).state_dict())
+    assert longer.local_step == 5 and longer.total_steps == 12
+    # Fragments in flight at the end land, then every fragment is averaged.
+    model, inner, outer = _fresh(4, fragments=2, overlap_steps=1, total_steps=10)
+    _train(model, inner, outer, range(10), rank)
+    assert same_on_all_ranks(_flat(model)) and not outer.in_flight and outer.outer_steps == [3, 3]
+
+
+@pytest.mark.slow
+def test_total_steps_ends_the_run_with_the_replicas_average():
+    run_ranks(_ends_with_the_average, 2)
+
+
 def test_fragments_take_turns_each_every_sync_every_steps():
     """Streaming DiLoCo's schedule: F parts of about equal size, consecutive, each
     exchanged every H steps, their turns spread over the H steps."""
@@ -417,6 +454,10 @@ def _disagree(rank: int, world: int) -> None:
     model = _net()
     with pytest.raises(ValueError, match="sync_every"):
         gradcomp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2 + rank)
+    with pytest.raises(ValueError, match="total_steps"):
+        gradcomp.DiLoCo(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, total_steps=8 + rank
+        )
 
 
 @pytest.mark.slow

@@ -112,9 +112,11 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
 # lr: the inner AdamW's peak learning rate (default --lr, dense's).
 DILOCO_OPTIONS = (
     "sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps", "lr", "follow_inner_lr",
+    "total_steps",
 )  # fmt: skip
 DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps")
-DILOCO_FLAGS = ("follow_inner_lr",)  # 1 or 0
+# total_steps=1: DiLoCo is given the run's steps, and its last exchange loads the replicas' average
+DILOCO_FLAGS = ("follow_inner_lr", "total_steps")  # 1 or 0
 
 
 def parse_diloco(spec: str) -> dict:
@@ -222,6 +224,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
     outer = None
     if diloco:
+        outer_options["total_steps"] = steps if outer_options.get("total_steps") else None
         outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -256,7 +259,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
             adam_bytes.append(optimizer.last_bytes_sent)
         if outer is not None:
             outer.step()
-            if step + 1 == steps and (outer.in_flight or len(outer.fragments) > 1):
+            ends = outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every
+            if step + 1 == steps and outer.total_steps is None and ends:
                 outer.synchronize()  # every fragment, landed: the model every rank holds
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
