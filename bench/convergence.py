@@ -454,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(args.compressors, args.diloco)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
+    if any(run.get("diloco", {}).get("node_size") for run in runs):
+        parser().error("DiLoCo's node_size is for --task lm")
     if args.init_steps < 0:
         parser().error("need --init-steps >= 0")
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:

@@ -25,7 +25,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import Chooser, ReduceStats, all_reduce, verify_settings
+from gradcomp.collectives import Chooser, ReduceStats, all_reduce, check_hierarchy_options, verify_settings
 from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
@@ -92,6 +92,11 @@ class DiLoCo:
             Nesterov).
         group: the ranks that average (default the world).
         algorithm: the all-reduce's (default from the compressor and the group).
+        node_size: with ``algorithm="hierarchical"``, the ranks a node holds
+            (default torchrun's ``LOCAL_WORLD_SIZE`` or the host names). A
+            node can be one replica: its ranks train ``model`` under DDP over
+            the node's group, and their identical pseudo-gradients cross
+            between nodes once, compressed, a shard from each rank.
         fragments: parts of the parameters (consecutive, of about equal size)
             synchronised in turn, fragment f at the steps ``t`` with
             ``t % sync_every == (f + 1) * sync_every // fragments % sync_every``.
@@ -103,10 +108,13 @@ class DiLoCo:
             the period that just ended: the relation of SGD's momentum to its own
             schedule (see above; default True). At a constant inner learning rate
             it is DiLoCo's outer step (equal up to rounding).
+        total_steps: the run's inner steps: the last loads the replicas' average
+            (see above), and a step past it raises. Ranks must agree on it; a
+            checkpoint resumes under another (a longer run). None: no end.
         compressor_options: the compressor's own options (``ratio``, ``block``...).
 
     Example:
-        >>> outer = gradcomp.DiLoCo(model, inner, sync_every=50, compressor="int4")
+        >>> outer = gradcomp.DiLoCo(model, inner, sync_every=50, compressor="int4", total_steps=len(loader))
         >>> for x, y in loader:
         ...     loss_fn(model(x), y).backward()
         ...     inner.step(); inner.zero_grad()
@@ -124,6 +132,7 @@ class DiLoCo:
         nesterov: bool = True,
         group: dist.ProcessGroup | None = None,
         algorithm: str | None = None,
+        node_size: int | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
         follow_inner_lr: bool = True,
@@ -161,8 +170,11 @@ class DiLoCo:
         split_options(compressor, compressor_options, own, "DiLoCo")  # a typo: the nearest name said
         chooser = as_chooser(compressor)
         compressor = chooser or get_compressor(compressor, **compressor_options)
+        if not chooser:
+            check_hierarchy_options(compressor, algorithm, node_size, None)
         self.model, self.inner, self.sync_every = model, inner, sync_every
         self.compressor, self.algorithm, self.group = compressor, algorithm, group
+        self.node_size = node_size
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -190,7 +202,7 @@ class DiLoCo:
         device = self.params[0].device
         wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
         # total_steps may change between a checkpoint and its resume, not between ranks
-        agreed = {**self.settings(), "total_steps": total_steps}
+        agreed = {**self.settings(), "total_steps": total_steps, "node_size": node_size}
         verify_settings(ranks, "gradcomp.DiLoCo's settings", agreed, device)
         source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
         with torch.no_grad():
@@ -298,6 +310,8 @@ class DiLoCo:
         if lands > self.local_step:  # training goes on: what it learns meanwhile is kept
             exchange.snapshot = [self.params[i].detach().clone() for i in indices]
         options = {"algorithm": self.algorithm} if self.algorithm is not None else {}
+        if self.node_size is not None:
+            options["node_size"] = self.node_size
         for dtype in sorted({self.params[i].dtype for i in indices}, key=str):
             typed = [i for i in indices if self.params[i].dtype == dtype]
             delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in typed])

@@ -77,6 +77,8 @@ def _flat(model) -> torch.Tensor:
         ({"sync_every": 4, "overlap_steps": -1}, "overlap_steps"),
         ({"sync_every": 2, "total_steps": 0}, "total_steps"),
         ({"sync_every": 2, "total_steps": 2.5}, "total_steps"),
+        ({"sync_every": 2, "node_size": 2}, "apply to algorithm='hierarchical'"),
+        ({"sync_every": 2, "algorithm": "hierarchical", "node_size": 0}, "node_size"),
     ],
 )
 def test_bad_options_are_refused(options, match):
@@ -295,6 +297,47 @@ def _ends_with_the_average(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_total_steps_ends_the_run_with_the_replicas_average():
     run_ranks(_ends_with_the_average, 2)
+
+
+def _node_replicas(rank: int, world: int) -> None:
+    """2 nodes of 2 ranks, each node one replica (DDP over the node, DiLoCo between nodes
+    through the hierarchical all-reduce), against 2 ranks each training on its node's batches."""
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    leaders = dist.new_group([0, 2])
+    model = _net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=nodes[rank // 2])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = dict(sync_every=3, compressor="none", total_steps=7)
+    outer = gradcomp.DiLoCo(model, inner, algorithm="hierarchical", node_size=2, **options)
+    alone = alone_inner = alone_outer = None
+    if rank % 2 == 0:
+        alone = _net()
+        alone_inner = torch.optim.SGD(alone.parameters(), lr=0.1)
+        alone_outer = gradcomp.DiLoCo(alone, alone_inner, group=leaders, **options)
+    for step in range(7):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        outer.step()
+        if alone is not None:
+            batches = [_batch(step, r) for r in (rank, rank + 1)]
+            sum(torch.nn.functional.mse_loss(alone(x), y) for x, y in batches).div(2).backward()
+            alone_inner.step()
+            alone_inner.zero_grad()
+            alone_outer.step()
+            torch.testing.assert_close(_flat(model), _flat(alone), rtol=0, atol=1e-6)
+        if (step + 1) % 3 == 0 or step == 6:  # a node's two shards cross once, as one replica's whole
+            inter = torch.tensor(float(outer.last_stats.bytes_sent_inter))
+            dist.all_reduce(inter, group=nodes[rank // 2])
+            if alone is not None:
+                assert inter.item() == alone_outer.last_stats.bytes_sent > 0
+    assert same_on_all_ranks(_flat(model))
+
+
+@pytest.mark.slow
+def test_a_node_of_ddp_ranks_is_one_replica():
+    run_ranks(_node_replicas, 4)
 
 
 def test_fragments_take_turns_each_every_sync_every_steps():

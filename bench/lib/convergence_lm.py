@@ -112,9 +112,10 @@ def _fsdp_options(spec: str) -> tuple[str, dict]:
 # lr: the inner AdamW's peak learning rate (default --lr, dense's).
 DILOCO_OPTIONS = (
     "sync_every", "outer_lr", "outer_momentum", "fragments", "overlap_steps", "lr", "follow_inner_lr",
-    "total_steps",
+    "total_steps", "node_size",
 )  # fmt: skip
-DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps")
+# node_size=L: each node of L ranks is one replica (DDP inside it), the hierarchical all-reduce between
+DILOCO_INTEGERS = ("sync_every", "fragments", "overlap_steps", "node_size")
 # total_steps=1: DiLoCo is given the run's steps, and its last exchange loads the replicas' average
 DILOCO_FLAGS = ("follow_inner_lr", "total_steps")  # 1 or 0
 
@@ -200,6 +201,10 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     state = None
     if settings.get("fsdp"):
         model, state = net, fsdp_register(net, run, world_size, dense_steps)
+    elif diloco and run["diloco"].get("node_size"):  # a node is a replica: DDP inside it
+        size = run["diloco"]["node_size"]
+        nodes = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size, size)]
+        model = DistributedDataParallel(net, process_group=nodes[rank // size])
     elif adam or diloco:  # each rank its own model: the optimizer, or DiLoCo, averages
         model = net
     else:
@@ -225,6 +230,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     outer = None
     if diloco:
         outer_options["total_steps"] = steps if outer_options.get("total_steps") else None
+        if outer_options.get("node_size"):
+            outer_options["algorithm"] = "hierarchical"
         outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -273,6 +280,10 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
         dense_bytes = statistics.mean(s.dense_bytes for s in state.stats)
+    elif diloco and outer.node_size:  # between nodes, against DDP's dense all-reduce between them
+        assert len(outer.fragments) == 1, "node_size: one fragment (every exchange the same size)"
+        sent = outer.last_stats.bytes_sent_inter * outer.outer_step / steps
+        dense_bytes = ring_all_reduce_bytes(numel * 4 // outer.node_size, world_size // outer.node_size)
     elif diloco:
         sent = outer.bytes_sent / steps
     elif adam:
@@ -431,6 +442,10 @@ def main_lm(args: argparse.Namespace, fail) -> int:
         fail(f"need --steps >= 1 and --spawn >= 2 dividing the batch of {LM_BATCH}")
     if not 0 <= args.dense_steps < args.steps:
         fail("need 0 <= --dense-steps < --steps")
+    for run in runs:
+        size = (run.get("diloco") or {}).get("node_size")
+        if size is not None and (size < 1 or args.spawn % size or args.spawn // size < 2):
+            fail(f"DiLoCo's node_size={size} must divide --spawn {args.spawn} into 2 nodes or more")
     settings = vars(args)
     settings["model"] = {**LM_MODEL, **(args.gpt or {})}
     if settings["model"]["width"] % settings["model"]["heads"]:
