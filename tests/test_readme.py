@@ -116,14 +116,16 @@ def _run_snippets(rank: int, world_size: int, blocks: dict[str, str], directory:
     assert 0 < scope["optimizer"].last_bytes_sent < dense / 20  # sign updates after the warm-up
     assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
 
-    # DiLoCo, on CPUs, synchronising every 4 of the 12 batches.
-    on_cpu = blocks["diloco"].replace("net.cuda()", "net").replace("sync_every=50", "sync_every=4")
+    # DiLoCo, on CPUs, synchronising every 4 of the 12 batches; the 12th ends with the average.
+    on_cpu = blocks["diloco"].replace("net.cuda()", "net").replace("sync_every=75", "sync_every=4")
     assert "cuda" not in on_cpu.replace("# no DDP", "") and "sync_every=4" in on_cpu
     torch.manual_seed(rank)  # each rank starts elsewhere: DiLoCo broadcasts rank 0's weights
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     scope.update(net=net, torch=torch)
     exec(on_cpu, scope)
     assert scope["outer"].outer_step == 3 and scope["outer"].last_stats.ratio > 6
+    with pytest.raises(ValueError, match="past total_steps=12"):  # the run ended with the average
+        scope["outer"].step()
     assert same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
 
     scope = {"gradcomp": gradcomp, "grad": torch.randn(4096, generator=generator)}
