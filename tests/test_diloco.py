@@ -315,11 +315,7 @@ def _node_replicas(rank: int, world: int) -> None:
         alone_inner = torch.optim.SGD(alone.parameters(), lr=0.1)
         alone_outer = gradcomp.DiLoCo(alone, alone_inner, group=leaders, **options)
     for step in range(7):
-        x, y = _batch(step, rank)
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        inner.step()
-        inner.zero_grad()
-        outer.step()
+        _train(ddp, inner, outer, [step], rank)
         if alone is not None:
             batches = [_batch(step, r) for r in (rank, rank + 1)]
             sum(torch.nn.functional.mse_loss(alone(x), y) for x, y in batches).div(2).backward()
