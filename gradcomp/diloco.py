@@ -97,8 +97,9 @@ class DiLoCo:
     transformers. Give it where the run's length is known.
 
     Args:
-        model: the module each rank trains (no DDP: each rank trains on its own
-            between synchronisations). Rank 0's parameters and buffers are
+        model: the module each rank trains (not under DDP over ``group``: each
+            replica trains on its own between synchronisations; see
+            ``node_size`` for DDP inside a node). Rank 0's parameters and buffers are
             broadcast over ``group`` when this is made.
         inner: the inner optimizer (its state stays each rank's own).
         sync_every: inner steps between synchronisations (H).
@@ -217,7 +218,7 @@ class DiLoCo:
         device = self.params[0].device
         wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
         # total_steps may change between a checkpoint and its resume, not between ranks
-        agreed = {**self.settings(), "total_steps": total_steps, "node_size": node_size}
+        agreed = {**self.settings(), "total_steps": total_steps}
         verify_settings(ranks, "gradcomp.DiLoCo's settings", agreed, device)
         source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
         with torch.no_grad():
@@ -242,6 +243,7 @@ class DiLoCo:
             "fragments": len(self.fragments),
             "overlap_steps": self.overlap_steps,
             "follow_inner_lr": self.follow_inner_lr,
+            "node_size": self.node_size,
         }
 
     def _count_lr(self, optimizer, args, kwargs) -> None:
@@ -469,6 +471,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo state of schema {version!r}; this version reads 1 to {SCHEMA_VERSION}")
         if version in (1, 2):  # before follow_inner_lr: DiLoCo's outer step
             saved = {**saved, "settings": {**saved["settings"], "follow_inner_lr": False}}
+        saved = {**saved, "settings": {"node_size": None, **saved["settings"]}}  # saved before node_size
         if saved["settings"] != ours:
             differ = sorted(k for k, v in ours.items() if saved["settings"].get(k) != v)
             hint = ""

@@ -221,6 +221,14 @@ def _resume(rank: int, world: int, follow_inner_lr: bool) -> None:
     reloaded.load_state_dict(old)
     assert reloaded.outer_steps == outer.outer_steps and reloaded.local_step == outer.local_step
     assert all(torch.equal(a, b) for a, b in zip(reloaded.anchor, outer.anchor, strict=True))
+    # A state saved before node_size existed loads; one of another layout does not.
+    _, _, reloaded = fresh()
+    reloaded.load_state_dict({**state, "settings": dict(state["settings"], node_size=None)})
+    reloaded.load_state_dict(
+        {**state, "settings": {k: v for k, v in state["settings"].items() if k != "node_size"}}
+    )
+    with pytest.raises(ValueError, match="node_size"):
+        reloaded.load_state_dict({**state, "settings": dict(state["settings"], node_size=2)})
     # A state saved before follow_inner_lr (schema 2) took DiLoCo's outer step: the default
     # refuses it and says how to resume it.
     before = {**state, "version": 2, "settings": dict(old["settings"], fragments=1, overlap_steps=0)}
