@@ -72,7 +72,10 @@ from lib.convergence_lm import (
     LM_LR,
     LM_MODEL,
     START_ORDER_OFFSET,
+    diloco_bytes,
+    diloco_replica,
     main_lm,
+    make_diloco,
     parse_diloco,
 )
 from lib.machine import machine
@@ -238,7 +241,7 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
     if settings.get("init"):  # --init-steps: the dense start every run shares
         net.load_state_dict(torch.load(settings["init"], weights_only=True))
     diloco = run.get("kind") == "diloco"
-    model = net if diloco else DistributedDataParallel(net)  # DiLoCo: each rank its own model
+    model = diloco_replica(net, run, rank, world_size) if diloco else DistributedDataParallel(net)
     outer_options = dict(run.get("diloco") or {})
     state = None
     if run["name"] is not None and not diloco:
@@ -262,8 +265,7 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
     steps = min(settings["epochs"] * steps_per_epoch, settings.get("max_steps") or math.inf)
     outer = None
     if diloco:
-        outer_options["total_steps"] = steps if outer_options.get("total_steps") else None
-        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
+        outer = make_diloco(net, optimizer, run, outer_options, steps)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     # A dense start (--init-steps) shuffles in an order of its own.
     shuffle = torch.Generator().manual_seed(settings["seed"] + settings.get("order_offset", 0))
@@ -296,7 +298,7 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
     numel = sum(p.numel() for p in net.parameters())
     dense_bytes = ring_all_reduce_bytes(numel * 4, world_size)
     if outer is not None:
-        sent = outer.bytes_sent / len(step_seconds)
+        sent, dense_bytes = diloco_bytes(outer, numel, world_size, len(step_seconds))
     else:
         sent = statistics.mean(s.bytes_sent for s in state.stats) if state else dense_bytes
     return dict(
@@ -454,8 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(args.compressors, args.diloco)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
-    if any(run.get("diloco", {}).get("node_size") for run in runs):
-        parser().error("DiLoCo's node_size is for --task lm")
+    for run in runs:
+        size = (run.get("diloco") or {}).get("node_size")
+        if size is not None and (size < 1 or args.spawn % size or args.spawn // size < 2):
+            parser().error(f"DiLoCo's node_size={size} must divide --spawn {args.spawn} into 2 nodes or more")
     if args.init_steps < 0:
         parser().error("need --init-steps >= 0")
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:

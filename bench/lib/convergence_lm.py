@@ -187,6 +187,34 @@ def adam_groups(net: torch.nn.Module, exact: str | None) -> list[dict]:
     ]
 
 
+def diloco_replica(net: torch.nn.Module, run: dict, rank: int, world_size: int) -> torch.nn.Module:
+    """What a DiLoCo run trains: ``net`` on each rank; with ``node_size=L``, each node of L
+    consecutive ranks one replica, under DDP over the node."""
+    size = run["diloco"].get("node_size")
+    if not size:
+        return net
+    nodes = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size, size)]
+    return DistributedDataParallel(net, process_group=nodes[rank // size])
+
+
+def make_diloco(net, optimizer, run: dict, outer_options: dict, steps: int) -> gradcomp.DiLoCo:
+    """The run's DiLoCo (``total_steps=1``: given the run's steps; ``node_size``: hierarchical)."""
+    options = dict(outer_options, total_steps=steps if outer_options.get("total_steps") else None)
+    if options.get("node_size"):
+        options["algorithm"] = "hierarchical"
+    return gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **options, **run["options"])
+
+
+def diloco_bytes(outer: gradcomp.DiLoCo, numel: int, world_size: int, steps: int) -> tuple[float, float]:
+    """(bytes a rank sent a step, DDP's): with nodes, those between nodes, against DDP's dense
+    hierarchical all-reduce between them (a flat ring sends more)."""
+    if not outer.node_size:
+        return outer.bytes_sent / steps, ring_all_reduce_bytes(numel * 4, world_size)
+    assert len(outer.fragments) == 1, "node_size: one fragment (every exchange the same size)"
+    sent = outer.last_stats.bytes_sent_inter * outer.outer_step / steps
+    return sent, ring_all_reduce_bytes(numel * 4 // outer.node_size, world_size // outer.node_size)
+
+
 def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     """Train one --task lm run on every rank; rank 0's record."""
     train_data, validation, _ = lm.load_corpus(settings["corpus_bytes"], settings.get("corpus", "stdlib"))
@@ -201,11 +229,9 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     state = None
     if settings.get("fsdp"):
         model, state = net, fsdp_register(net, run, world_size, dense_steps)
-    elif diloco and run["diloco"].get("node_size"):  # a node is a replica: DDP inside it
-        size = run["diloco"]["node_size"]
-        nodes = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size, size)]
-        model = DistributedDataParallel(net, process_group=nodes[rank // size])
-    elif adam or diloco:  # each rank its own model: the optimizer, or DiLoCo, averages
+    elif diloco:
+        model = diloco_replica(net, run, rank, world_size)
+    elif adam:  # each rank its own model: the optimizer averages
         model = net
     else:
         model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
@@ -229,10 +255,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
     outer = None
     if diloco:
-        outer_options["total_steps"] = steps if outer_options.get("total_steps") else None
-        if outer_options.get("node_size"):
-            outer_options["algorithm"] = "hierarchical"
-        outer = gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **outer_options, **run["options"])
+        outer = make_diloco(net, optimizer, run, outer_options, steps)
     if run["kind"] == "fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif one_bucket:
@@ -280,12 +303,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     if state is not None:
         sent = statistics.mean(s.bytes_sent for s in state.stats)
         dense_bytes = statistics.mean(s.dense_bytes for s in state.stats)
-    elif diloco and outer.node_size:  # between nodes, against DDP's dense all-reduce between them
-        assert len(outer.fragments) == 1, "node_size: one fragment (every exchange the same size)"
-        sent = outer.last_stats.bytes_sent_inter * outer.outer_step / steps
-        dense_bytes = ring_all_reduce_bytes(numel * 4 // outer.node_size, world_size // outer.node_size)
     elif diloco:
-        sent = outer.bytes_sent / steps
+        sent, dense_bytes = diloco_bytes(outer, numel, world_size, steps)
     elif adam:
         sent = statistics.mean(adam_bytes)
     elif run["kind"] == "fp16_hook":

@@ -442,6 +442,22 @@ def test_convergence_vision_task_runs_diloco_from_a_dense_start(tmp_path):
 
 
 @pytest.mark.slow
+def test_convergence_runs_diloco_with_a_node_of_ranks_as_one_replica(tmp_path):
+    spec = "int4:sync_every=4,total_steps=1,node_size=2"
+    args = ["--task", "vision", "--epochs", "1", "--compressors", "--spawn", "4", "--diloco", spec]
+    run_script("convergence.py", *args, "--out", str(tmp_path))
+    rows, _ = read_results(tmp_path, stem("convergence-vision", 4))
+    numel = sum(p.numel() for p in importlib.import_module("convergence").make_cnn(16, 10, 0).parameters())
+    # Between 2 nodes, a rank sends its half of the node's int4 shard: 2 ranks' ratio, within
+    # rounding, for 6 exchanges in 21 steps (every 4th, then the end).
+    cost = gradcomp.collectives.cost_model.cost("int4", numel, 2).bytes_sent
+    assert float(rows[1]["ratio"]) == pytest.approx(numel * 4 / cost * 21 / 6, rel=0.01)
+    assert math.isfinite(float(rows[1]["test_loss"]))
+    bad = run_script("convergence.py", *args[:-1], "int4:sync_every=4,node_size=3", check=False)
+    assert bad.returncode == 2 and "node_size=3 must divide --spawn 4" in bad.stderr
+
+
+@pytest.mark.slow
 def test_convergence_lm_task_runs_compressed_adam_and_counts_its_bytes(tmp_path):
     args = ["--task", "lm", "--steps", "5", "--corpus-bytes", "40000", "--compressors", "--baselines"]
     adam = [
