@@ -296,9 +296,11 @@ class DiLoCo:
     @torch.no_grad()
     def synchronize(self) -> ReduceStats | None:
         """Land every exchange in flight, then exchange every fragment at once and
-        land it: the weights are then identical on every rank. For the end of a run:
-        it is an outer step of every fragment (momentum and step counts move) outside
-        the schedule, which goes on as before. Every rank calls it at the same step."""
+        land it: the weights are then identical on every rank (for an evaluation, or
+        the end of a run of unknown length; ``total_steps`` ends on the replicas'
+        average instead). It is an outer step of every fragment (momentum and step
+        counts move) outside the schedule, which goes on as before. Every rank calls
+        it at the same step."""
         stats = None
         for exchange in list(self.in_flight):
             stats = self._land(exchange)
