@@ -72,8 +72,10 @@ from lib.convergence_lm import (
     LM_LR,
     LM_MODEL,
     START_ORDER_OFFSET,
+    check_node_sizes,
     diloco_bytes,
     diloco_replica,
+    end_diloco,
     main_lm,
     make_diloco,
     parse_diloco,
@@ -286,12 +288,8 @@ def train(rank: int, world_size: int, run: dict, data: dict, settings: dict, pro
                 outer.step()
         curve.append(evaluate(net, data)[0])
         progress.update(done + epoch + 1, run["label"])
-    if (
-        outer is not None
-        and outer.total_steps is None
-        and (outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every)
-    ):
-        outer.synchronize()  # every fragment, landed: the model every rank holds
+    if outer is not None:
+        end_diloco(outer)
     if settings.get("save") and rank == 0:  # --init-steps' dense start, for the runs to share
         torch.save(net.state_dict(), settings["save"])
     train_loss, accuracy, test_loss = evaluate(net, data)
@@ -456,10 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(args.compressors, args.diloco)
     except argparse.ArgumentTypeError as error:
         parser().error(str(error))
-    for run in runs:
-        size = (run.get("diloco") or {}).get("node_size")
-        if size is not None and (size < 1 or args.spawn % size or args.spawn // size < 2):
-            parser().error(f"DiLoCo's node_size={size} must divide --spawn {args.spawn} into 2 nodes or more")
+    check_node_sizes(runs, args.spawn, parser().error)
     if args.init_steps < 0:
         parser().error("need --init-steps >= 0")
     if args.epochs < 1 or args.spawn < 2 or args.batch_size < args.spawn:

@@ -275,7 +275,7 @@ class DiLoCo:
 
         At inner step ``total_steps`` (if given) the run ends: every exchange in flight
         lands, then every fragment is exchanged and its replicas' average loaded, without
-        an outer step (:meth:`_end`); stepping past it raises."""
+        an outer step; stepping past it raises."""
         if self.total_steps is not None and self.local_step >= self.total_steps:
             raise ValueError(
                 f"DiLoCo.step() past total_steps={self.total_steps}: the run ended with the replicas' "
@@ -283,7 +283,7 @@ class DiLoCo:
             )
         self.local_step += 1
         if self.local_step == self.total_steps:
-            return self._end()
+            return self._land_everything(average=True)
         stats = None
         for exchange in [e for e in self.in_flight if e.lands == self.local_step]:
             stats = self._land(exchange)
@@ -301,23 +301,19 @@ class DiLoCo:
         average instead). It is an outer step of every fragment (momentum and step
         counts move) outside the schedule, which goes on as before. Every rank calls
         it at the same step."""
-        stats = None
-        for exchange in list(self.in_flight):
-            stats = self._land(exchange)
-        for fragment in range(len(self.fragments)):
-            stats = self._land(self._start(fragment, self.local_step))
-        return stats
+        return self._land_everything(average=False)
 
-    def _end(self) -> ReduceStats | None:
-        """The run's last step: land every exchange in flight, then exchange every
-        fragment and load the replicas' average: ``anchor - mean(anchor - weights)``,
-        the weights they trained to. An outer step would add its momentum's lookahead,
-        which serves a next period; at the end there is none."""
+    def _land_everything(self, average: bool) -> ReduceStats | None:
+        """Land every exchange in flight, then exchange every fragment and land it: with
+        an outer step (:meth:`synchronize`), or (``average``, the run's last step) as the
+        replicas' average, ``anchor - mean(anchor - weights)``, the weights they trained
+        to: an outer step would add its momentum's lookahead, which serves a next period,
+        and at the end there is none."""
         stats = None
         for exchange in list(self.in_flight):
             stats = self._land(exchange)
         for fragment in range(len(self.fragments)):
-            stats = self._land(self._start(fragment, self.local_step), average=True)
+            stats = self._land(self._start(fragment, self.local_step), average=average)
         return stats
 
     def _start(self, fragment: int, lands: int) -> _Exchange:
@@ -390,8 +386,10 @@ class DiLoCo:
         update, scale = gradient, 1.0 if lr_sum is None else lr_sum
         if self.outer_momentum:
             buffer = self.momentum[i]
-            added = gradient if scale == 1.0 else gradient / scale if scale > 0 else None
-            added = torch.zeros_like(gradient) if added is None else added
+            if scale == 1.0:
+                added = gradient
+            else:  # a period without learning rate adds nothing
+                added = gradient / scale if scale > 0 else torch.zeros_like(gradient)
             if first:
                 buffer.copy_(added)
             else:

@@ -205,6 +205,24 @@ def make_diloco(net, optimizer, run: dict, outer_options: dict, steps: int) -> g
     return gradcomp.DiLoCo(net, optimizer, compressor=run["name"], **options, **run["options"])
 
 
+def check_node_sizes(runs: list[dict], spawn: int, fail) -> None:
+    """``fail`` unless every DiLoCo run's ``node_size`` cuts ``spawn`` ranks into 2 nodes or more."""
+    for run in runs:
+        size = (run.get("diloco") or {}).get("node_size")
+        if size is not None and (size < 1 or spawn % size or spawn // size < 2):
+            fail(f"DiLoCo's node_size={size} must divide --spawn {spawn} into 2 nodes or more")
+
+
+def end_diloco(outer: gradcomp.DiLoCo) -> None:
+    """After the run's last step: synchronise, so that every rank holds one model, unless
+    DiLoCo ended the run itself (``total_steps``) or its last step did (one fragment,
+    nothing in flight, H dividing the steps)."""
+    if outer.total_steps is None and (
+        outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every
+    ):
+        outer.synchronize()
+
+
 def diloco_bytes(outer: gradcomp.DiLoCo, numel: int, world_size: int, steps: int) -> tuple[float, float]:
     """(bytes a rank sent a step, DDP's): with nodes, those between nodes, against DDP's dense
     hierarchical all-reduce between them (a flat ring sends more)."""
@@ -289,9 +307,8 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
             adam_bytes.append(optimizer.last_bytes_sent)
         if outer is not None:
             outer.step()
-            ends = outer.in_flight or len(outer.fragments) > 1 or outer.local_step % outer.sync_every
-            if step + 1 == steps and outer.total_steps is None and ends:
-                outer.synchronize()  # every fragment, landed: the model every rank holds
+            if step + 1 == steps:
+                end_diloco(outer)
         if (step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
     if settings.get("save"):  # --init-steps' dense start, for the runs to share
@@ -461,10 +478,7 @@ def main_lm(args: argparse.Namespace, fail) -> int:
         fail(f"need --steps >= 1 and --spawn >= 2 dividing the batch of {LM_BATCH}")
     if not 0 <= args.dense_steps < args.steps:
         fail("need 0 <= --dense-steps < --steps")
-    for run in runs:
-        size = (run.get("diloco") or {}).get("node_size")
-        if size is not None and (size < 1 or args.spawn % size or args.spawn // size < 2):
-            fail(f"DiLoCo's node_size={size} must divide --spawn {args.spawn} into 2 nodes or more")
+    check_node_sizes(runs, args.spawn, fail)
     settings = vars(args)
     settings["model"] = {**LM_MODEL, **(args.gpt or {})}
     if settings["model"]["width"] % settings["model"]["heads"]:
