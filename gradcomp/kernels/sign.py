@@ -44,7 +44,9 @@ def _sign_kernel(
     pid, offsets, mask = block_lanes(numel, block, WIDTH)
     y = load_compensated(x_ptr, residual_ptr, offsets, mask, HAS_RESIDUAL)
     count = tl.minimum(numel - pid * block, block).to(tl.float32)
-    scale = tl.sum(tl.abs(y), axis=0) / count
+    # div_rn: Triton compiles `/` of fp32 values to div.full.f32 (within 2 ulp), the
+    # reference's division is correctly rounded.
+    scale = tl.math.div_rn(tl.sum(tl.abs(y), axis=0), count)
     positive = y >= 0
     scale_index, signs_base, local = block_place(pid, chunk_blocks, total_blocks, row_stride, ROWS)
     tl.store(scales_ptr + scale_index, scale)

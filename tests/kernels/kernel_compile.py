@@ -105,10 +105,12 @@ def _compile(original, function, args, kwargs, grid, records: list[dict], wide: 
         constants={str(k): repr(v) for k, v in kernel.src.constants.items()},
         fp_fusion=bool(kernel.metadata.enable_fp_fusion),
         # PTX instructions that round differently from torch: a fused
-        # multiply-add (one rounding for two), flushed subnormals, approximations.
+        # multiply-add (one rounding for two), flushed subnormals, approximations
+        # (``div.full.f32``, what Triton makes of ``/`` between fp32 values, is one:
+        # within 2 ulp, where torch's division is correctly rounded).
         fma=sum("fma.rn.f32" in line for line in ptx.splitlines()),
         ftz=sum(".ftz" in line for line in ptx.splitlines()),
-        approximate=sum(".approx" in line for line in ptx.splitlines()),
+        approximate=sum(".approx" in line or "div.full" in line for line in ptx.splitlines()),
         narrow_row_offsets=sum(
             len(narrow_products(kernel.asm["ttir"], name))
             for name in ROW_STRIDE_PARAMETERS
@@ -399,8 +401,9 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
 
 
 def _control_cases() -> list[tuple[str, Callable[[], object]]]:
-    """``a * b + c`` with and without fusion, and a row sum with its row index in 32
-    and in 64 bits: the PTX and IR checks must see the differences."""
+    """``a * b + c`` with and without fusion, ``a / b`` and ``div_rn(a, b)``, and a row
+    sum with its row index in 32 and in 64 bits: the PTX and IR checks must see the
+    differences."""
     import torch
     import triton
     import triton.language as tl
@@ -410,6 +413,16 @@ def _control_cases() -> list[tuple[str, Callable[[], object]]]:
         offsets = tl.arange(0, BLOCK)
         a, b, c = tl.load(a_ptr + offsets), tl.load(b_ptr + offsets), tl.load(c_ptr + offsets)
         tl.store(out_ptr + offsets, a * b + c)
+
+    @triton.jit
+    def _control_divide_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr, ROUNDED: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        a, b = tl.load(a_ptr + offsets), tl.load(b_ptr + offsets)
+        if ROUNDED:
+            quotient = tl.math.div_rn(a, b)
+        else:
+            quotient = a / b
+        tl.store(out_ptr + offsets, quotient)
 
     @triton.jit
     def _control_row_sum_kernel(rows_ptr, out_ptr, row_stride, summed_rows, WIDE_ROW: tl.constexpr):
@@ -428,6 +441,10 @@ def _control_cases() -> list[tuple[str, Callable[[], object]]]:
         a, b, c, out = (torch.zeros(64) for _ in range(4))
         _control_multiply_add_kernel[(1,)](a, b, c, out, BLOCK=64, enable_fp_fusion=fused)
 
+    def divide(rounded: bool):
+        a, b, out = (torch.zeros(64) for _ in range(3))
+        _control_divide_kernel[(1,)](a, b, out, BLOCK=64, ROUNDED=rounded, enable_fp_fusion=False)
+
     def row_sum(wide: bool):
         rows = torch.zeros(4, 32, dtype=torch.uint8)
         _control_row_sum_kernel[(1,)](rows, torch.zeros(16), rows.stride(0), 4, WIDE_ROW=wide)
@@ -435,6 +452,8 @@ def _control_cases() -> list[tuple[str, Callable[[], object]]]:
     return [
         ("control fused", lambda: launch(True)),
         ("control exact", lambda: launch(False)),
+        ("control divide", lambda: divide(False)),
+        ("control divide rounded", lambda: divide(True)),
         ("control narrow rows", lambda: row_sum(False)),
         ("control wide rows", lambda: row_sum(True)),
     ]
@@ -458,12 +477,15 @@ def defined_kernels() -> list[str]:
     return sorted(names)
 
 
-def subset(cases: list, every: int) -> list:
-    """Every ``every``-th case of each launcher (the first word of a description), the first included."""
+def subset(cases: list, every: int, only: list[str] | None = None) -> list:
+    """Every ``every``-th case of each launcher (the first word of a description), the first
+    included; of the launchers in ``only`` alone where it is given."""
     seen: dict[str, int] = {}
     chosen = []
     for description, call in cases:
         launcher = description.split()[0]
+        if only and launcher not in only:
+            continue
         if seen.get(launcher, 0) % every == 0:
             chosen.append((description, call))
         seen[launcher] = seen.get(launcher, 0) + 1
@@ -476,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--every", type=int, default=1, help="every n-th case of each launcher only (a quick subset)"
     )
+    parser.add_argument("--only", nargs="+", help="these launchers' cases only (and the controls)")
     arguments = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print(
@@ -486,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     print(json.dumps({"defined_kernels": defined_kernels()}), flush=True)
     for arch in arguments.arch:
-        for description, call in _control_cases() + subset(_cases(), arguments.every):
+        for description, call in _control_cases() + subset(_cases(), arguments.every, arguments.only):
             records: list[dict] = []
             with compile_only(arch, records):
                 try:

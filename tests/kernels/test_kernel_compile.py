@@ -26,13 +26,17 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).with_name("kernel_compile.py")
 
 
-def compile_records(arches: tuple[int, ...], every: int = 1) -> tuple[list[str], list[dict]]:
-    """(kernels defined, one record per compiled specialization), one process per arch."""
+def compile_records(
+    arches: tuple[int, ...], every: int = 1, only: tuple[str, ...] = ()
+) -> tuple[list[str], list[dict]]:
+    """(kernels defined, one record per compiled specialization), one process per arch;
+    ``only``: these launchers' cases alone (and the controls)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment.pop("TRITON_CACHE_DIR", None)
 
     def run(arch: int) -> list[dict]:
         command = [sys.executable, str(SCRIPT), "--arch", str(arch), "--every", str(every)]
+        command += ["--only", *only] if only else []
         result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
         lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         assert lines, f"no output (exit {result.returncode}):\n{result.stderr[-3000:]}"
@@ -45,15 +49,23 @@ def compile_records(arches: tuple[int, ...], every: int = 1) -> tuple[list[str],
 
 
 def check(defined: list[str], records: list[dict]) -> None:
+    compiled = {r["kernel"] for r in records}
+    assert set(defined) <= compiled, f"kernels no case compiles: {sorted(set(defined) - compiled)}"
+    check_compiled(records)
+
+
+def check_compiled(records: list[dict]) -> None:
+    """Every record compiled, exact kernels round as torch does, no 32-bit row offsets,
+    one specialization for every seed; the controls show that each check can fail."""
     failed = [
         f"{r['case']} / {r['kernel']} (sm_{r['target']}):\n{r['error']}" for r in records if "error" in r
     ]
     assert not failed, f"{len(failed)} specializations failed to compile; the first:\n" + failed[0]
-    compiled = {r["kernel"] for r in records}
-    assert set(defined) <= compiled, f"kernels no case compiles: {sorted(set(defined) - compiled)}"
     control = {r["case"]: r for r in records if r["case"].startswith("control") and not r["wide"]}
     assert control["control fused"]["fma"] > 0, "the PTX check cannot see a fused multiply-add"
     assert control["control exact"]["fma"] == 0
+    assert control["control divide"]["approximate"] > 0, "the PTX check cannot see div.full.f32"
+    assert control["control divide rounded"]["approximate"] == 0
     assert control["control narrow rows"]["narrow_row_offsets"] > 0, "the IR check cannot see a 32-bit offset"
     assert control["control wide rows"]["narrow_row_offsets"] == 0
     narrow = [
@@ -102,3 +114,12 @@ def test_first_case_of_each_launcher_compiles_with_64_bit_row_offsets():
         if r["case"].split()[0] in launchers and r["signature"].get("row_stride") == "i32"
     }
     assert {"_dequantize_kernel", "_sign_decode_kernel"} <= summed, summed
+
+
+def test_sign_kernels_divide_as_the_reference_does_on_sm90():
+    # The block's mean magnitude: Triton compiled `sum / count` to div.full.f32, an
+    # approximation within 2 ulp of the reference's correctly rounded division.
+    _, records = compile_records((90,), every=8, only=("sign", "sign_rows", "sign_decompress"))
+    check_compiled(records)
+    kernels = {r["kernel"] for r in records if not r["case"].startswith("control")}
+    assert {"_sign_kernel", "_sign_decode_kernel"} <= kernels, kernels
