@@ -19,7 +19,11 @@ group on one thread. On CUDA tensors:
   stream wait on that event only;
 * the caller's tensor is marked as used by the worker's stream
   (``record_stream``), so that the caching allocator cannot hand its memory
-  to another stream before the worker's kernels are done with it.
+  to another stream before the worker's kernels are done with it;
+* just before completing a job's future, the worker's stream records one more
+  event, kept with the future (:func:`complete`): a future is done once the
+  worker has issued the job's work, its GPU work is done once that event is
+  (:func:`finished` queries it, never waits).
 
 CPU tensors need none of this: every call here is then a no-op.
 
@@ -74,6 +78,26 @@ def elapsed_seconds(start, end) -> float | None:
     if not (start.query() and end.query()):
         return None
     return start.elapsed_time(end) / 1e3
+
+
+def complete(future: torch.futures.Future, value, device: torch.device) -> None:
+    """Complete ``future`` with ``value`` on the current stream of ``device`` (the
+    worker's, for a job), an event recorded there first and kept with the future:
+    the point after the job's last GPU work, which :func:`finished` queries."""
+    event = cuda.Event()
+    event.record(cuda.current_stream(device))
+    future.gradcomp_work_done = event
+    future.set_result(value)
+
+
+def finished(future: torch.futures.Future) -> bool:
+    """Whether ``future`` is done and, where :func:`complete` completed it, the GPU work
+    queued before it too: never waits (``Event.query``). ``future.done()`` alone turns
+    true once the worker has issued the work, before the GPU has run it."""
+    if not future.done():
+        return False
+    event = getattr(future, "gradcomp_work_done", None)
+    return event is None or event.query()
 
 
 _NOTHING = contextlib.nullcontext()

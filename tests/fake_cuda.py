@@ -36,22 +36,40 @@ class FakeStream:
         return self.name
 
 
+class Hold:
+    """The device held back (a long kernel ahead of everything): work queued meanwhile
+    has not run until :meth:`release`."""
+
+    def __init__(self, fake: FakeCuda):
+        self.fake, self.released = fake, False
+
+    def release(self) -> None:
+        self.released = True
+        self.fake.held = None
+
+
 class FakeEvent:
     _ids = itertools.count(1)
 
     def __init__(self, fake: FakeCuda, timing: bool = False):
         self.fake, self.stream, self.id, self.timing, self.at = fake, None, next(self._ids), timing, None
+        self.hold: Hold | None = None
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream or self.fake.current_stream()
         self.at = time.perf_counter()  # the host's clock stands for the device's
+        self.hold = self.fake.held  # the work before it has not run while the device is held
         self.fake.log.append(("record", self.stream, self))
 
     def query(self) -> bool:
-        return self.at is not None
+        """c10's ``CUDAEvent::query`` (c10/cuda/CUDAEvent.h): true for an event never
+        recorded, else whether ``cudaEventQuery`` finds the work queued before the record
+        done (``cudaSuccess``, not ``cudaErrorNotReady``); it never waits."""
+        return self.at is None or self.hold is None or self.hold.released
 
     def elapsed_time(self, end: FakeEvent) -> float:
         assert self.timing and end.timing, "elapsed_time needs events made with enable_timing=True"
+        assert self.at is not None and end.at is not None, "both events must be recorded"
         return (end.at - self.at) * 1e3
 
     def __repr__(self) -> str:
@@ -65,6 +83,13 @@ class FakeCuda:
         self.log: list[tuple] = []
         self.default = FakeStream(self, "default")
         self._local = threading.local()
+        self.held: Hold | None = None
+
+    def hold(self) -> Hold:
+        """Hold the device back: the events recorded until the returned hold is released
+        stay incomplete (the test's stand-in for kernels still running)."""
+        self.held = Hold(self)
+        return self.held
 
     def current_stream(self, device=None) -> FakeStream:
         return getattr(self._local, "stream", self.default)

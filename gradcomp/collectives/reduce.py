@@ -11,7 +11,7 @@ from collections.abc import Hashable
 import torch
 import torch.distributed as dist
 
-from gradcomp import ops
+from gradcomp import ops, streams
 from gradcomp.collectives import shared_names
 from gradcomp.collectives.agreement import settings_key
 from gradcomp.collectives.chooser import (
@@ -48,7 +48,9 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        """Whether the reduction is done: on CUDA, once the GPU has run its last kernel
+        too (queried, never waited for), as ``dist.Work.is_completed()`` for NCCL."""
+        return streams.finished(self._future)
 
     def get_future(self) -> torch.futures.Future:
         """Future holding the :class:`ReduceStats` of the call. As with torch's own

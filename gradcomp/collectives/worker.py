@@ -227,7 +227,7 @@ class CollectiveQueue:
                 job.future.set_result(job.result)
             else:
                 with self.streams.running(job.device):
-                    job.future.set_result(job.result)
+                    streams.complete(job.future, job.result, job.device)
         finally:
             torch._C._set_grad_enabled(False)
 

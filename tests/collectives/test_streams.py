@@ -168,6 +168,28 @@ def test_all_reduce_results_are_ordered_on_the_callers_stream_however_taken():
     run_ranks(_results_are_ordered_on_the_callers_stream, 2)
 
 
+def _work_completes_once_its_gpu_work_has_run(rank: int, world_size: int) -> list[bool]:
+    on_cpu = gradcomp.all_reduce(torch.randn(5000), "int8", async_op=True)
+    on_cpu.wait()
+    seen = [on_cpu.is_completed()]  # on CPU: the future's done()
+    collectives.release_queues()  # the next worker starts under the fake
+    fake = install_fake()
+    held = fake.hold()  # the GPU still runs what was queued before the call
+    work = gradcomp.all_reduce(torch.randn(5000), "int8", async_op=True)
+    work.wait()  # the host waits for the worker to issue the job, not for the GPU to run it
+    seen += [work.get_future().done(), work.is_completed()]
+    held.release()
+    seen.append(work.is_completed())
+    fake.restore()
+    return seen
+
+
+def test_work_is_completed_only_once_the_gpu_has_run_the_reduction():
+    # dist.Work.is_completed() of NCCL queries the kernels' end events; the future alone is
+    # done as soon as the worker has issued the job.
+    assert run_ranks(_work_completes_once_its_gpu_work_has_run, 1) == [True, True, False, True]
+
+
 def _optimizer_reads_ordered_results(rank: int, world_size: int) -> None:
     from tests.ddp.models import make_model
 
@@ -223,10 +245,12 @@ def _auto_times_gpu_buckets_by_events(rank: int, world_size: int) -> None:
     jobs = [entry for entry in timing if entry[1] is not fake.default]
     assert len(jobs) == 4 * buckets * (9 - 3)  # two intervals a bucket (int8 two_phase pauses once)
     # An interval whose events are not done yet is not read (and never waited for).
-    pending = FakeEvent(fake, timing=True)
     done = [FakeEvent(fake, timing=True) for _ in range(2)]
     for event in done:
         event.record()
+    fake.hold()
+    pending = FakeEvent(fake, timing=True)
+    pending.record()
     assert hook_timing.in_seconds({0: [done], 1: [[done[1], pending]]}) is None
     assert hook_timing.in_seconds({0: [done]})[0][0] == 0.0
     assert hook_timing.ready_offsets(done[0], [done[0], pending]) is None
