@@ -18,13 +18,19 @@
 #              get_future().wait()) and CompressedAdam's read on the caller's
 #              stream at once and after a synchronize; FSDP2 with gradcomp's
 #              comms inline on FSDP's streams, the hook's input kept while its
-#              stream is held back; no host sync in any path's steady state
+#              stream is held back; no host sync in any path's steady state;
+#              Work.is_completed() false while the GPU still runs the reduction
 #              (bench/gpu_worker.py)
+#   identity   4 processes sharing the GPU over Gloo on CUDA tensors, each
+#              backend forced in turn: every rank's all_reduce result bit for
+#              bit the same, for Top-K (approximate, exact), random-K and int8
+#              on the algorithms whose decode sums several ranks' rows
+#              (bench/gpu_identity.py)
 #   ranks      2 and 4 processes sharing the GPU over Gloo on CUDA tensors: the
 #              DDP hook, FSDP2's paths, CompressedAdam and DiLoCo, replicas
-#              agreeing, the default backends against the torch backend, within
-#              bounds of dense; a collective Gloo cannot run there is reported
-#              as not covered (bench/gpu_ranks.py)
+#              agreeing, the default backends against the torch backend (at 2),
+#              within bounds of dense; a collective Gloo cannot run there is
+#              reported as not covered (bench/gpu_ranks.py)
 #   overlap    the DDP hook's work against a backward pass of 10 ms or more,
 #              25 MB buckets, from a profile: its streams and the fraction of
 #              its time overlapping backward kernels (bench/gpu_ddp.py)
@@ -43,7 +49,8 @@
 #
 # What comes back (OUTPUT_DIR): gpu_check.txt (versions and one line per
 # section), gpu_check.log (every section's output), gpu_check.json (worker,
-# overlap, compare, ranks), kernel_speed-*.{csv,json}, parity.xml (JUnit), and
+# identity, overlap, compare, ranks; the sections on several ranks save each
+# path or backend as it ends), kernel_speed-*.{csv,json}, parity.xml (JUnit), and
 # gpu_check-files.tar.gz (the overlap profile's Chrome trace, the host cost's
 # files).
 #
@@ -205,6 +212,7 @@ else
 fi
 section kernels 75 1 python3 "$repo/bench/kernel_speed.py" "${kernels[@]}" --out "$out" --no-progress
 section worker 45 1 python3 "$repo/bench/gpu_worker.py" ${dry[@]+"${dry[@]}"} --out "$out"
+section identity 45 1 python3 "$repo/bench/gpu_identity.py" ${dry[@]+"${dry[@]}"} --out "$out"
 section overlap 45 1 python3 "$repo/bench/gpu_ddp.py" --section overlap ${dry[@]+"${dry[@]}"} --out "$out" \
   --trace "$extras/gpu_ddp-trace.json"
 section compare 60 1 python3 "$repo/bench/gpu_ddp.py" --section compare ${dry[@]+"${dry[@]}"} --out "$out"

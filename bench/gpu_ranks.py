@@ -5,15 +5,22 @@ processes sharing the one GPU of a lent machine run every path of gradcomp that
 crosses ranks, each rank with its own streams. Run by ``bench/gpu_check.sh``
 (``--dry-run``: CPU tensors, the same code).
 
-For each world size, each path trains a few steps three times on the same data:
-compressed on the default backends, compressed with ``GRADCOMP_BACKEND=torch`` (the
-specification's ops in torch's kernels), and dense. Checked:
+For each world size, each path trains a few steps compressed on the default
+backends; at 2 ranks also with ``GRADCOMP_BACKEND=torch`` (the specification's ops
+in torch's kernels); and each kind of training once dense (plain DDP stands for the
+dense DDP and FSDP2 paths: the same SGD on the ranks' mean gradient). Checked:
 
 * every rank ends with the same parameters (the replicas agree);
 * the default backends give the torch backend's parameters bit for bit (``auto``
   excepted: it plans from measured codec times, which differ between backends);
 * the compressed run ends within its bound of the dense one, relative to how far
   the dense one moved.
+
+Each path's result is saved as it ends; a rank that crashes costs its path alone
+(``gpu_setup.run_items``), and a path the section's time (``--seconds``, shared
+between the world sizes by ``TIME_SHARE``) left no room for is reported as not
+run. FSDP2's parameters are gathered on the host, never by ``full_tensor()`` (see
+:func:`full_parameter`).
 
 The paths: the DDP hook (int8, Top-K, auto); FSDP2 with the compressed
 reduce-scatter (flat, and hierarchical with ``node_size=1``), the compressed
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import gpu_setup
 import torch
@@ -40,11 +48,19 @@ import torch.distributed as dist
 
 import gradcomp
 from gradcomp.collectives import c10d
-from gradcomp.spawn import run_ranks
 
 WORLD_SIZES = (2, 4)
+# The part of the section's time (--seconds) by which each world size has begun its
+# paths; 2 ranks have more paths to run (the torch backend's too).
+TIME_SHARE = {2: 0.55, 4: 1.0}
+# The world sizes whose paths also run on the torch backend (the compare section takes
+# the backends at 1 and 2 ranks; the identity section every rank's bits at 4).
+REFERENCE_WORLD_SIZES = (2,)
 STEPS = 3
 WIDTH = {"cuda": 512, "cpu": 32}
+# The section's own limit in bench/gpu_check.sh is 100 s: this leaves room for a path
+# begun just before it ends.
+SECONDS = 85
 # How far a compressed run may end from the dense one, as a fraction of how far the
 # dense one moved from the start (a few steps: a loose bound; a corrupted or swapped
 # shard lands far outside it).
@@ -60,6 +76,9 @@ PATHS = (
     ("CompressedAdam, int8", "adam", "int8"),
     ("DiLoCo, int4", "diloco", "int4"),
 )
+# The dense training each path is measured against.
+DENSE = {"adam": "adam", "diloco": "diloco"}  # every other path: "ddp"
+KINDS = "collectives Gloo cannot run here"
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -67,7 +86,9 @@ PATHS = (
 
 def collective_kinds(device: torch.device) -> dict[str, str | None]:
     """Every collective kind the paths use, tried once on ``device``'s tensors: kind ->
-    None where it ran, else the first line of its error (on every rank alike)."""
+    None where it ran, else the first line of its error (on every rank alike). Not the
+    coalesced all-gather: Gloo's kills the process on CUDA tensors, and no path takes
+    it (:func:`full_parameter`)."""
     world = dist.get_world_size()
     x = torch.ones(4 * world, device=device)
     kinds = {
@@ -118,13 +139,36 @@ def batches(rank: int, width: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.randn(16, width, generator=generator).to(device) for _ in range(STEPS)]
 
 
+def full_parameter(p: torch.Tensor) -> torch.Tensor:
+    """``p`` whole on the host, flat, fp32; an FSDP2 parameter's shards gathered on CPU.
+
+    Not ``p.full_tensor()``: a DTensor redistributes through funcol's
+    ``all_gather_single``, the op ``_c10d_functional.all_gather_into_tensor``, which
+    torch's C++ issues as a coalesced all-gather of one tensor (Functional.cpp:
+    ``all_gather_into_tensor_coalesced`` -> ``ProcessGroup::allgather_into_tensor_coalesced``).
+    Gloo's (``ProcessGroupGloo::allgather_coalesced``) has no CUDA work: it hands the
+    device pointers to gloo's host all-gather, which kills the process
+    (pytorch/pytorch#152645). The host copies of the shards go through Gloo's plain
+    all-gather into one tensor instead.
+    """
+    if not hasattr(p, "to_local"):
+        return p.detach().reshape(-1).float().cpu()
+    (placement,) = p.placements  # FSDP2 without a replicate dimension: one mesh dimension
+    assert placement.is_shard(0), placement
+    group = p.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    rows = -(-p.shape[0] // world)  # torch.chunk's rows a rank, as FSDP2 shards: the last ones fewer
+    local = p.to_local().detach().float().cpu()
+    padded = torch.zeros((rows, *p.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = torch.empty((world * rows, *p.shape[1:]))
+    c10d.all_gather_single(gathered, padded, group=group)
+    return gathered[: p.shape[0]].reshape(-1)
+
+
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
     """The whole model's parameters on the host (an FSDP2 model's gathered from its shards)."""
-    parts = []
-    for p in model.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        parts.append(full.detach().reshape(-1).float().cpu())
-    return torch.cat(parts)
+    return torch.cat([full_parameter(p) for p in model.parameters()])
 
 
 def train_ddp(compressor: str | None, model, data) -> None:
@@ -221,28 +265,33 @@ def train(path: str, compressor: str | None, rank: int, device: torch.device, ba
         gradcomp.collectives.release_queues()
 
 
-def replicas_agree(parameters: torch.Tensor, device: torch.device) -> bool:
-    mine = parameters.to(device)
-    first = mine.clone()
+def replicas_agree(parameters: torch.Tensor) -> bool:
+    """Whether every rank holds ``parameters`` (on the host) bit for bit."""
+    first = parameters.clone()
     dist.broadcast(first, 0)
-    same = torch.tensor([float(torch.equal(first, mine))], device=device)
+    same = torch.tensor([float(torch.equal(first, parameters))])
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item())
 
 
-def check_path(path: str, compressor: str, rank: int, device: torch.device) -> dict:
+def check_path(path: str, compressor: str, rank: int, device: torch.device, dense_runs: dict) -> dict:
+    """``path`` with ``compressor`` against its dense training (kept in ``dense_runs``,
+    run on first need) and, at the reference world sizes, the torch backend."""
     start = flat_parameters(mlp(WIDTH[device.type], device))
     compressed = train(path, compressor, rank, device, None)
-    dense = train(path, None, rank, device, None)
+    dense_path = DENSE.get(path, "ddp")
+    if dense_path not in dense_runs:
+        dense_runs[dense_path] = train(dense_path, None, rank, device, None)
+    dense = dense_runs[dense_path]
     moved = (dense - start).norm().item()
     distance = (compressed - dense).norm().item() / max(moved, 1e-30)
     result = {
-        "replicas agree": replicas_agree(compressed, device),
+        "replicas agree": replicas_agree(compressed),
         "distance to dense / dense's move": distance,
         "within bound": distance <= BOUNDS[compressor],
     }
     checks = [result["replicas agree"], result["within bound"]]
-    if compressor != "auto":
+    if compressor != "auto" and dist.get_world_size() in REFERENCE_WORLD_SIZES:
         reference = train(path, compressor, rank, device, "torch")
         difference = (compressed - reference).abs().max().item()
         result["max |default - torch backend|"] = difference
@@ -251,38 +300,55 @@ def check_path(path: str, compressor: str, rank: int, device: torch.device) -> d
     return result
 
 
-def _paths_on_rank(rank: int, world_size: int, device_type: str) -> dict:
+def _paths_on_rank(rank: int, world_size: int, names: list[str], progress, device_type: str) -> None:
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # every rank on the one GPU
     kinds = collective_kinds(device)
-    results = {"collectives Gloo cannot run here": {k: v for k, v in kinds.items() if v}}
-    for name, path, compressor in PATHS:
+    progress.end(KINDS, {k: v for k, v in kinds.items() if v})
+    paths = {name: (path, compressor) for name, path, compressor in PATHS}
+    dense_runs = {}
+    for name in names:
+        if not progress.begin(name):
+            return
         try:
-            results[name] = check_path(path, compressor, rank, device)
-        except Exception as error:  # noqa: BLE001 - recorded; the next path still runs
+            result = check_path(*paths[name], rank, device, dense_runs)
+        except Exception as error:  # noqa: BLE001 - recorded where Gloo is the cause; else the path fails
             kind = not_covered(error, kinds)
             if kind is None:
                 raise
-            results[name] = {"covered": False, "why": f"Gloo cannot run {kind} on {device.type} tensors"}
+            result = {"covered": False, "why": f"Gloo cannot run {kind} on {device.type} tensors"}
             gradcomp.collectives.release_queues()
-    return results
+        progress.end(name, result)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gpu_setup.add_options(parser)
+    parser.add_argument(
+        "--seconds", type=float, default=SECONDS, help=f"begin no path after this (default {SECONDS})"
+    )
     args = parser.parse_args(argv)
     device = gpu_setup.device_for(args.dry_run)
-    settings = {"world sizes": WORLD_SIZES, "steps": STEPS, "width": WIDTH[device.type], "bounds": BOUNDS}
+    settings = {
+        "world sizes": WORLD_SIZES,
+        "torch backend compared at": REFERENCE_WORLD_SIZES,
+        "steps": STEPS,
+        "width": WIDTH[device.type],
+        "bounds": BOUNDS,
+        "seconds": args.seconds,
+    }
     report = gpu_setup.Report(args.out, "ranks", device, settings)
+    began, names = time.time(), [name for name, _, _ in PATHS]
     for world in WORLD_SIZES:
-        with report.check(f"{world} ranks, Gloo on {device.type.upper()} tensors") as entry:
-            results = run_ranks(_paths_on_rank, world, device.type, timeout=300, group_timeout=120)
-            entry.update(results)
-            paths = [results[name] for name, _, _ in PATHS]
-            entry["not covered"] = [name for name, _, _ in PATHS if results[name].get("covered") is False]
-            entry["ok"] = all(result.get("ok", result.get("covered") is False) for result in paths)
+        name = f"{world} ranks, Gloo on {device.type.upper()} tensors"
+        with report.check(name) as entry:
+            progress = gpu_setup.Progress(report, name, began + args.seconds * TIME_SHARE[world])
+            gpu_setup.run_items(_paths_on_rank, world, names, progress, device.type)
+            saved = progress.saved()
+            results = {path: saved[path] for path in names}
+            entry["not covered"] = [path for path, r in results.items() if r.get("covered") is False]
+            entry["ok"] = all(r.get("ok", r.get("covered") is False) for r in results.values())
     return report.finish()
 
 

@@ -7,7 +7,10 @@ on the GPU machine, lent once and briefly, nothing but the device itself can
 fail: not an import, a signature or a file name.
 
 Results go to ``<out>/gpu_check.json``, one entry per section, rewritten
-after every check: a section killed at its time limit keeps what finished.
+after every check (whole or not at all): a section killed at its time limit
+keeps what finished. Checks that run on spawned ranks save each item (a path,
+a backend) as it ends, and a rank that dies costs only its item
+(:func:`run_items`).
 
 Example:
     >>> report = Report(out, "worker", device, {"numel": numel})
@@ -34,7 +37,7 @@ from lib.machine import cpu_model
 from lib.results import RESULTS
 
 import gradcomp
-from gradcomp.spawn import free_port
+from gradcomp.spawn import RanksFailed, free_port, run_ranks
 
 REPORT = "gpu_check.json"
 
@@ -132,6 +135,38 @@ def trace_events(trace, path: str | None = None) -> list[dict]:
         return json.load(handle)["traceEvents"]
 
 
+def write_json(path: str, document: dict) -> None:
+    """``document`` to ``path`` whole or not at all: a temporary file beside it, flushed
+    and fsynced, renamed over it (a kill at any point leaves the last whole file)."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(document, handle, indent=1, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
+def read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def saved_items(path: str, section: str, check: str) -> dict:
+    """What the report at ``path`` holds of ``check``: item -> result."""
+    return read_json(path).get(section, {}).get("checks", {}).get(check, {})
+
+
+def save_item(path: str, section: str, check: str, item: str, result: dict) -> None:
+    """``result`` as ``item`` of ``check`` in the report at ``path``, at once (from a
+    spawned rank while the section's own process waits for the ranks)."""
+    document = read_json(path)
+    checks = document.setdefault(section, {}).setdefault("checks", {})
+    checks.setdefault(check, {})[item] = result
+    write_json(path, document)
+
+
 class Report:
     """One section's checks in ``<out>/gpu_check.json`` under ``section``.
 
@@ -157,15 +192,13 @@ class Report:
         self.save()
 
     def save(self) -> None:
-        document = {}
-        if os.path.exists(self.path):
-            with open(self.path) as handle:
-                document = json.load(handle)
+        document = read_json(self.path)
         document[self.section] = self.data
-        partial = f"{self.path}.partial"
-        with open(partial, "w") as handle:
-            json.dump(document, handle, indent=1, default=str)
-        os.replace(partial, self.path)  # a kill mid-write leaves the last whole file
+        write_json(self.path, document)
+
+    def saved(self, name: str) -> dict:
+        """What the file holds of check ``name`` (items spawned ranks saved)."""
+        return saved_items(self.path, self.section, name)
 
     @contextlib.contextmanager
     def check(self, name: str):
@@ -179,6 +212,8 @@ class Report:
             entry["error"] = traceback.format_exc(limit=8)
             entry["ok"] = False
         finally:
+            for item, result in self.saved(name).items():
+                entry.setdefault(item, result)  # what ranks saved, where the check kept less
             entry["seconds"] = round(time.perf_counter() - began, 3)
             self.ok &= bool(entry.get("ok", True))
             self.save()
@@ -192,3 +227,57 @@ class Report:
         self.save()
         print(f"# {self.section}: {'every check passed' if self.ok else 'a check FAILED'}", flush=True)
         return 0 if self.ok else 1
+
+
+# What a check's item holds while the ranks run it: left there, the ranks ended in it.
+RUNNING = "running when the ranks ended"
+# How long an item begun just before the check's deadline may still run.
+ITEM_SECONDS = 30
+
+
+class Progress:
+    """A check whose items spawned ranks run in turn: an item is begun only while the
+    check's time lasts (rank 0's clock decides, every rank follows it), and rank 0 saves
+    it to the report as it begins and as it ends. Handed to the ranks (picklable)."""
+
+    def __init__(self, report: Report, check: str, deadline: float):
+        self.path, self.section, self.check = report.path, report.section, check
+        self.deadline = deadline  # time.time(): one clock for every process of the machine
+
+    def begin(self, item: str) -> bool:
+        """Whether to run ``item`` (on every rank alike); if so, marked as running."""
+        go = torch.tensor([float(time.time() < self.deadline)])
+        dist.broadcast(go, 0)
+        if go.item():
+            self.end(item, {"ok": False, RUNNING: True})
+        return bool(go.item())
+
+    def end(self, item: str, result: dict) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_item(self.path, self.section, self.check, item, result)
+
+    def saved(self) -> dict:
+        """The check's items in the report: item -> result."""
+        return saved_items(self.path, self.section, self.check)
+
+
+def run_items(body, world_size: int, items: list[str], progress: Progress, *args, group_timeout: float = 60):
+    """Run ``body(rank, world_size, items, progress, *args)`` on ``world_size`` spawned
+    ranks, which run ``items`` in turn through ``progress``, until each item has its
+    result in the report. Where a rank raises or dies (a crash in torch's C++ included),
+    the item it was running is saved as failed with the error, and new ranks go on with
+    the next; items the time left no room for are saved as not run."""
+    left = list(items)
+    while left and time.time() < progress.deadline:
+        timeout = progress.deadline - time.time() + ITEM_SECONDS
+        try:  # ranks that return have begun every item the time left room for
+            run_ranks(body, world_size, left, progress, *args, timeout=timeout, group_timeout=group_timeout)
+        except RanksFailed as error:
+            running = [item for item in left if progress.saved().get(item, {}).get(RUNNING)]
+            if not running:
+                raise  # before the first item: nothing to go on past
+            progress.end(running[0], {"ok": False, "error": str(error)[-3000:]})
+            print(f"{running[0]}: the ranks failed in it; going on with the next\n{error}", flush=True)
+        left = [item for item in left if item not in progress.saved()]
+    for item in left:
+        progress.end(item, {"ok": False, "not run": "no time was left for it"})

@@ -36,6 +36,9 @@ Run by ``bench/gpu_check.sh`` on one GPU (``--dry-run``: CPU tensors, Gloo):
   :func:`fsdp_kept_across_streams`).
 * **no host syncs in steady state**: the DDP hook (int8, Top-K, random-K), FSDP2's
   paths, CompressedAdam and DiLoCo under ``torch.cuda.set_sync_debug_mode("error")``.
+* **Work.is_completed()**: an async int8 all-reduce submitted behind a sleep on the
+  caller's stream (which the worker's stream waits on): after ``wait()`` (the host's
+  part) it is not completed while the GPU has not run it, and is once it has.
 
 Writes the checks under "worker" in ``<out>/gpu_check.json``; exits 1 if one
 fails.
@@ -159,6 +162,25 @@ class _SynchronizedWork:
 
     def get_future(self) -> _SynchronizedFuture:
         return _SynchronizedFuture(self._work.get_future(), self._device)
+
+
+# Cycles the caller's stream sleeps before the is_completed check's all-reduce: longer
+# than the host takes to submit, wait for the worker and ask.
+COMPLETION_DELAY_CYCLES = 200_000_000
+
+
+def work_completion(device: torch.device, numel: int, entry: dict) -> None:
+    """``Work.is_completed()`` after ``wait()`` with the GPU held back, then after a synchronize."""
+    tensor = random(numel, device, seed=3)
+    if device.type == "cuda":
+        torch.cuda._sleep(COMPLETION_DELAY_CYCLES)  # on the caller's stream: the worker's waits on it
+    work = gradcomp.all_reduce(tensor, "int8", async_op=True)
+    work.wait()
+    while_held = work.is_completed()
+    gpu_setup.synchronize(device)
+    after = work.is_completed()
+    entry.update(completed_while_the_gpu_is_held=while_held, completed_after_synchronize=after)
+    entry["ok"] = after and (device.type != "cuda" or not while_held)
 
 
 def adam_steps(device: torch.device, numel: int, synchronized: bool) -> tuple[list, torch.Tensor]:
@@ -392,6 +414,8 @@ def main(argv=None) -> int:
             fsdp_kept_across_streams(device, 256 if args.dry_run else 4096, entry)
         with report.check("no host syncs in steady state") as entry:
             no_host_syncs(device, 64 if args.dry_run else 1024, entry)
+        with report.check("Work.is_completed() follows the GPU") as entry:
+            work_completion(device, sizes["ordering"], entry)
     return report.finish()
 
 

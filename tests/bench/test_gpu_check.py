@@ -17,24 +17,44 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import time
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from gradcomp.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 SCRIPT = os.path.join(BENCH, "gpu_check.sh")
-SECTIONS = ("versions", "kernels", "worker", "overlap", "compare", "ranks", "parity", "host cost", "memcheck")
+SECTIONS = (
+    "versions",
+    "kernels",
+    "worker",
+    "identity",
+    "overlap",
+    "compare",
+    "ranks",
+    "parity",
+    "host cost",
+    "memcheck",
+)
 # What the device runner brings back of the output folder.
 MOST_FILES = 8
 sys.path.insert(0, BENCH)
 
 
-@pytest.mark.parametrize("module", ["gpu_setup", "gpu_worker", "gpu_ddp", "gpu_ranks", "gpu_memcheck"])
+@pytest.mark.parametrize(
+    "module", ["gpu_setup", "gpu_worker", "gpu_identity", "gpu_ddp", "gpu_ranks", "gpu_memcheck"]
+)
 def test_every_section_script_imports(module):
     # Imports sit at the top of each script: a name that moved fails here, not on the GPU
     # (kernel_speed.py: tests/bench/test_kernel_speed.py).
@@ -136,15 +156,21 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path):
         p.name for p in files
     }
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    for section in ("worker", "ddp overlap", "ddp compare", "ranks"):
+    for section in ("worker", "identity", "ddp overlap", "ddp compare", "ranks"):
         assert report[section]["ok"] and report[section]["checks"], section
         assert "CPUs" in report[section]["machine"]
     # On CPU Gloo runs every collective: every path between ranks is covered, none skipped.
     ranks = report["ranks"]["checks"]
     assert len(ranks) == 2 and all(check["not covered"] == [] for check in ranks.values()), ranks
-    assert {"FSDP2 keeps the hook's input across streams", "no host syncs in steady state"} <= set(
-        report["worker"]["checks"]
-    )
+    assert {
+        "FSDP2 keeps the hook's input across streams",
+        "no host syncs in steady state",
+        "Work.is_completed() follows the GPU",
+    } <= set(report["worker"]["checks"])
+    # Every backend of the dry run ran every case at 4 ranks, and the ranks agreed.
+    (identity,) = report["identity"]["checks"].values()
+    backends = [identity[backend] for backend in ("default", "torch")]
+    assert identity["differ"] == [] and all(len(b) == 9 and b["ok"] for b in backends), identity
     (kernels,) = tmp_path.glob("kernel_speed-*.json")
     ops = {record["op"] for record in json.loads(kernels.read_text())["records"]}
     assert {"copy", "quantize_int8_ef", "topk_1pct_ef", "topk_1pct"} <= ops
@@ -156,3 +182,82 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path):
     assert [r["config"] for r in host["records"]] == ["ddp", "torch_allreduce", "torch_fp16", "int8", "topk"]
     # The suite's budget for it, with room for a busy machine (about 75 s on 2 idle cores).
     assert seconds < 180, seconds
+
+
+# ----------------------------------------------------------------------------- items on ranks
+
+
+def _dies_in_the_second_item(rank: int, world_size: int, items: list[str], progress) -> None:
+    for item in items:
+        if not progress.begin(item):
+            return
+        if item == "b" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a crash in torch's C++ ends a process
+        dist.barrier()
+        progress.end(item, {"ok": True})
+
+
+def test_a_rank_that_dies_costs_its_item_alone(tmp_path):
+    import gpu_setup
+
+    report = gpu_setup.Report(str(tmp_path), "items", torch.device("cpu"), {})
+    progress = gpu_setup.Progress(report, "two ranks", time.time() + 200)
+    gpu_setup.run_items(_dies_in_the_second_item, 2, ["a", "b", "c"], progress)
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())["items"]["checks"]["two ranks"]
+    assert saved["a"] == saved["c"] == {"ok": True}, saved
+    assert saved["b"]["ok"] is False and "SIGKILL" in saved["b"]["error"], saved
+    # An item the time left no room for is saved as not run; no rank starts for it.
+    late = gpu_setup.Progress(report, "late", time.time() - 1)
+    gpu_setup.run_items(_dies_in_the_second_item, 2, ["a"], late)
+    assert late.saved() == {"a": {"ok": False, "not run": "no time was left for it"}}
+
+
+def _gathered_without_a_coalesced_all_gather(rank: int, world_size: int) -> bool:
+    import gpu_ranks
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # Rows that 3 ranks shard unevenly (3, 3, 1) and one that leaves a rank nothing (1, 1, 0).
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    whole = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # full_tensor()'s all-gather: a coalesced one in torch's C++, which Gloo has for CPU tensors only.
+    refused = AssertionError("funcol's all-gather: Gloo's coalesced all-gather crashes on CUDA tensors")
+    with mock.patch.object(funcol, "all_gather_single", side_effect=refused):
+        return torch.equal(gpu_ranks.flat_parameters(model), whole)
+
+
+def test_fsdp2_parameters_are_gathered_on_the_host_without_full_tensor():
+    assert run_ranks(_gathered_without_a_coalesced_all_gather, 3, timeout=120)
+
+
+def _one_rank_one_ulp_off(rank: int, world_size: int) -> list[dict]:
+    import gpu_identity
+
+    device = torch.device("cpu")
+    found = [gpu_identity.run_case("topk@0.01", "allgather", rank, device)]
+    original = gpu_identity.gradcomp.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        stats = original(tensor, *args, **kwargs)
+        if rank == 2:
+            tensor[7] = torch.nextafter(tensor[7], torch.tensor(math.inf))
+        return stats
+
+    with mock.patch.object(gpu_identity.gradcomp, "all_reduce", all_reduce):
+        found.append(gpu_identity.run_case("topk@0.01", "allgather", rank, device))
+    return found
+
+
+def test_the_identity_check_finds_one_element_one_rank_holds_otherwise():
+    same, off = run_ranks(_one_rank_one_ulp_off, 4, timeout=180)
+    assert same == {"identical": True, "elements differing from rank 0, a step": [0, 0, 0]}
+    assert off == {"identical": False, "elements differing from rank 0, a step": [1, 1, 1]}
