@@ -4,7 +4,10 @@ group's worker (the package's docstring lists the modules it draws on)."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
+import warnings
 import zlib
 from collections.abc import Hashable
 
@@ -92,19 +95,65 @@ def key_of(name: Hashable) -> int:
     return zlib.crc32(repr(name).encode())
 
 
+# The most tensors reduced without a name= whose default state all_reduce keeps, over
+# every group and compressor settings: a loop reduces the same few shapes step after
+# step, and a program that reduces ever new shapes must not pile up residuals.
+UNNAMED_LIMIT = 256
+
 # Residuals and call counters of all_reduce calls that pass no ErrorFeedback, per
 # group and compressor settings: a compressor given by name is a new object on every
-# call, but the same settings must find the same residuals (and not pile up); each
-# group's jobs run on a worker of their own, which orders nothing of another group's.
+# call, but the same settings must find the same residuals; each group's jobs run on
+# a worker of their own, which orders nothing of another group's. The calls that name
+# their tensor share one memory per group and settings, kept for good (the caller
+# asked for it); an unnamed tensor's default name (its shape and dtype) has a memory
+# of its own, least recently used first, so that releasing it releases every residual
+# the algorithms keep for it.
 _DEFAULT_FEEDBACK: dict[tuple, tuple[ErrorFeedback, dict]] = {}
+_UNNAMED: collections.OrderedDict[tuple, tuple[ErrorFeedback, dict]] = collections.OrderedDict()
+_UNNAMED_LOCK = threading.Lock()
+_unnamed_warned = False
 
 
-def _default_feedback(compressor: Compressor, group: dist.ProcessGroup) -> tuple[ErrorFeedback, dict]:
+def _default_feedback(
+    compressor: Compressor, group: dist.ProcessGroup, name: Hashable, named: bool
+) -> tuple[ErrorFeedback, dict]:
+    """The default residual memory and call counters for a call on ``group`` under
+    ``name``: the named calls' memory of the group and settings, or (``named`` False)
+    the unnamed tensor's own, made most recently used; past :data:`UNNAMED_LIMIT` of
+    those the least recently used is released, with a warning the first time."""
     key = (group, settings_key(compressor))
-    entry = _DEFAULT_FEEDBACK.get(key)
-    if entry is None:
-        entry = _DEFAULT_FEEDBACK[key] = (ErrorFeedback(), {})
+    if named:
+        entry = _DEFAULT_FEEDBACK.get(key)
+        if entry is None:
+            entry = _DEFAULT_FEEDBACK[key] = (ErrorFeedback(), {})
+        return entry
+    key = (*key, name)
+    with _UNNAMED_LOCK:
+        entry = _UNNAMED.get(key)
+        if entry is not None:
+            _UNNAMED.move_to_end(key)
+            return entry
+        entry = _UNNAMED[key] = (ErrorFeedback(), {})
+        if len(_UNNAMED) <= UNNAMED_LIMIT:
+            return entry
+        _UNNAMED.popitem(last=False)
+    _warn_released()
     return entry
+
+
+def _warn_released() -> None:
+    # Every rank makes the same calls in the same order: they release alike and warn alike.
+    global _unnamed_warned
+    if _unnamed_warned:
+        return
+    _unnamed_warned = True
+    warnings.warn(
+        f"gradcomp.all_reduce: more than {UNNAMED_LIMIT} tensor shapes reduced without a name=: the "
+        "residual and step counter of the least recently used one are released, and its error "
+        "feedback starts afresh if it comes back. Name the tensors you reduce step after step "
+        "(name=...) to keep each one's state",
+        stacklevel=4,
+    )
 
 
 def all_reduce(
@@ -134,20 +183,30 @@ def all_reduce(
             group's measured link and device (the first call measures them).
         group: process group (default WORLD).
         op: ``"avg"`` (default, what gradients need) or ``"sum"``.
-        async_op: return a :class:`Work` at once instead of waiting.
+        async_op: return a :class:`Work` at once instead of waiting. With
+            :data:`~gradcomp.collectives.worker.MAX_PENDING` calls of the group
+            still pending, the call first waits for the oldest to complete (at
+            most the group's timeout, then ``RuntimeError``); a call made on a
+            worker's thread (a future's callback) never waits.
         algorithm: ``"dense"``, ``"allgather"``, ``"two_phase"`` or
             ``"hierarchical"`` (dense inside each node, compressed between
             nodes); default from the compressor and the group's size
             (:func:`default_algorithm`).
         feedback: an :class:`ErrorFeedback` to keep residuals in, ``False``
-            for none, or None for the default (residuals kept per compressor
-            settings and group, shared by the calls with equal settings on the group).
+            for none, or None for the default: residuals kept per group,
+            compressor settings and name, shared by the calls with equal ones.
+            Those of named calls are kept for good; those of unnamed tensors
+            (and their step counters) for the :data:`UNNAMED_LIMIT` most
+            recently used shapes: past that, the least recently used shape's
+            are released (its error feedback starts afresh if it comes back),
+            with a warning the first time.
         name: residual and random-stream key; give distinct names to distinct
             tensors of one shape (default: the tensor's shape and dtype). Calls
             under one name share the residual and run one after the other; a
             name given to another tensor while a call under it is in flight is
             warned of once.
-        step: step number for random streams (default: a per-name call counter).
+        step: step number for random streams (default: a per-name call counter,
+            kept as the residual is).
         measure_error: fill ``error_sq`` / ``input_sq`` of the stats. Off by
             default: it reads the tensor and the residual once more (or
             decodes once more, without feedback) and waits for the result.
@@ -185,14 +244,15 @@ def all_reduce(
             check_algorithm(compressor, algorithm)
         check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
     q = queue_for(group)
-    residuals, counters = _default_feedback(compressor, group or dist.group.WORLD)
+    named = name is not None
+    name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
+    residuals, counters = _default_feedback(compressor, group or dist.group.WORLD, name, named)
     if feedback is False:
         residuals = None
     elif isinstance(feedback, ErrorFeedback):
         residuals = feedback
     elif feedback not in (None, True):
         raise TypeError(f"feedback must be an ErrorFeedback, True, False or None, got {feedback!r}")
-    name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
     if step is None:
         step = counters.get(name, 0)
         counters[name] = step + 1

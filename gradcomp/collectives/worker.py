@@ -56,6 +56,15 @@ logger = logging.getLogger(__name__)
 # payloads until it finishes). On Gloo a collective's latency is several times a
 # small bucket's codec time: one job in flight left the worker waiting on it.
 IN_FLIGHT = 4
+# The most jobs of a group submitted and not yet completed: past it, submit waits for
+# the oldest (back-pressure, as a communicator's own queue gives), so that a caller
+# that submits faster than the group reduces does not pile up jobs without end.
+MAX_PENDING = 256
+
+# Marks the workers' threads: a job's future completes there, and a callback that
+# submits must not wait for the worker that runs it (nor for another one, which may
+# be waiting on this one).
+_ON_WORKER = threading.local()
 
 
 class CollectiveQueue:
@@ -93,6 +102,7 @@ class CollectiveQueue:
         # the number of the last the worker has started: a started job has issued every
         # collective it will issue (it pauses only after its last). wait_issued().
         self._submitted = self._issuing = self._started = 0
+        self._completed = 0  # jobs whose future is set (pending: submitted - completed)
         self._progress = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
@@ -115,9 +125,16 @@ class CollectiveQueue:
 
         A job starts while earlier ones are paused only if it shares neither the
         storage of ``writes`` nor a token of ``state`` with them (the module's rule).
+
+        With :data:`MAX_PENDING` jobs pending (submitted, their futures not yet set),
+        it first waits for the oldest to complete, at most the group's timeout
+        (then ``RuntimeError``); on a worker's thread (a future's callback) it never
+        waits.
         """
         future = streams.new_future(device)
         with self._progress:
+            if self._submitted - self._completed >= MAX_PENDING and not getattr(_ON_WORKER, "marked", False):
+                self._wait_below(MAX_PENDING)
             number = self._submitted = self._submitted + 1
             if collectives:
                 self._issuing = number
@@ -142,6 +159,19 @@ class CollectiveQueue:
                     f"{self.timeout_seconds:.0f} s"
                 )
 
+    @property
+    def pending(self) -> int:
+        """Jobs submitted whose futures are not set yet."""
+        return self._submitted - self._completed
+
+    def _wait_below(self, depth: int) -> None:
+        """(holding ``_progress``) Wait until fewer than ``depth`` jobs are pending."""
+        if not self._progress.wait_for(lambda: self.pending < depth, timeout=self.timeout_seconds):
+            raise RuntimeError(
+                f"gradcomp: {self.pending} collectives of this group still pending after "
+                f"{self.timeout_seconds:.0f} s (the group's timeout): a peer stalled or left"
+            )
+
     def close(self) -> None:
         """Stop the worker after the jobs already submitted."""
         self._jobs.put(None)
@@ -149,6 +179,7 @@ class CollectiveQueue:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # this thread's only: no job records a graph
+        _ON_WORKER.marked = True
         paused: collections.deque[_Started] = collections.deque()  # started, their exchanges in flight
         while True:
             if paused and (len(paused) >= IN_FLIGHT or self._jobs.empty()):
@@ -230,6 +261,9 @@ class CollectiveQueue:
                     streams.complete(job.future, job.result, job.device)
         finally:
             torch._C._set_grad_enabled(False)
+            with self._progress:
+                self._completed += 1
+                self._progress.notify_all()
 
 
 def _bare(device: torch.device) -> bool:

@@ -226,8 +226,10 @@ def _groups_keep_residuals_apart(rank: int, world_size: int) -> None:
         return results
 
     gradcomp.collectives.reduce._DEFAULT_FEEDBACK.clear()
+    gradcomp.collectives.reduce._UNNAMED.clear()
     expected = reduce(asynchronous=False)
     gradcomp.collectives.reduce._DEFAULT_FEEDBACK.clear()
+    gradcomp.collectives.reduce._UNNAMED.clear()
     late = _late_exchanges(DELAY) if rank == 1 else contextlib.nullcontext()
     with late, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
