@@ -30,7 +30,7 @@ from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
-from gradcomp.feedback import ErrorFeedback
+from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
 
 # 2: per-fragment outer steps and exchanges in flight (1 read with one fragment);
 # 3: the inner learning rates summed per fragment, for follow_inner_lr (1 and 2 read without it)
@@ -47,6 +47,7 @@ class _Exchange:
         self.lr_sums: list[float] = []  # per inner group, the learning rates of its inner steps
         self.stats: list[ReduceStats] = []  # of the parts waited for
         self.bytes_sent = 0  # by this rank, the parts waited for (kept by a checkpoint)
+        self.log: UndoLog | None = None  # the residuals before it (None: restored from a checkpoint)
 
     def wait(self) -> None:
         """Wait for every part still on its way; keep its statistics."""
@@ -95,6 +96,12 @@ class DiLoCo:
     step. The momentum's part of a step looks ahead to a next period, and at
     the end there is none: at H = 75 it ended 1.3 points closer to DDP on both
     transformers. Give it where the run's length is known.
+
+    An exchange whose average holds NaN or Inf (a
+    rank's weights went non-finite in its inner steps) raises ``FloatingPointError``
+    on every rank, with DiLoCo's state as before the exchange and the fragment's
+    weights set back to the anchor: DiLoCo cannot repair the inner optimizer's
+    state, which may hold NaN too.
 
     Args:
         model: the module each rank trains (not under DDP over ``group``: each
@@ -327,20 +334,22 @@ class DiLoCo:
         options = {"algorithm": self.algorithm} if self.algorithm is not None else {}
         if self.node_size is not None:
             options["node_size"] = self.node_size
+        exchange.log = UndoLog(self.feedback)
         for dtype in sorted({self.params[i].dtype for i in indices}, key=str):
             typed = [i for i in indices if self.params[i].dtype == dtype]
             delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in typed])
             name = ("diloco", str(dtype)) if len(self.fragments) == 1 else ("diloco", fragment, str(dtype))
-            work = all_reduce(
-                delta,
-                self.compressor,
-                self.group,
-                async_op=True,
-                feedback=self.feedback,
-                name=name,
-                step=self.outer_steps[fragment],
-                **options,
-            )
+            with exchange.log.recording():
+                work = all_reduce(
+                    delta,
+                    self.compressor,
+                    self.group,
+                    async_op=True,
+                    feedback=self.feedback,
+                    name=name,
+                    step=self.outer_steps[fragment],
+                    **options,
+                )
             exchange.parts.append((typed, delta, work))
         self.in_flight.append(exchange)
         return exchange
@@ -353,6 +362,8 @@ class DiLoCo:
         if stats is not None:
             self.last_stats = stats
         self.bytes_sent += exchange.bytes_sent
+        if not all_finite([delta for _, delta, _ in exchange.parts]):
+            self._refuse(exchange)
         first = self.outer_steps[exchange.fragment] == 0
         for indices, delta, _ in exchange.parts:
             offset = 0
@@ -378,6 +389,27 @@ class DiLoCo:
         self.outer_steps[exchange.fragment] += 1
         self.in_flight.remove(exchange)
         return stats
+
+    def _refuse(self, exchange: _Exchange) -> None:
+        """Raise ``FloatingPointError`` for an exchange whose average is not finite (on every
+        rank: a non-finite pseudo-gradient on any rank reaches every rank's average), its
+        fragment set back to the anchor first: DiLoCo's state as before the exchange, the
+        weights identical and finite on every rank."""
+        if exchange.log is not None:
+            exchange.log.undo()
+        indices = self.fragments[exchange.fragment]
+        for i in indices:
+            self.params[i].copy_(self.anchor[i])
+        self.lr_sums[exchange.fragment] = [0.0] * len(self.lr_sums[exchange.fragment])
+        self.in_flight.remove(exchange)
+        raise FloatingPointError(
+            f"DiLoCo: the replicas' average pseudo-gradient of fragment {exchange.fragment} holds NaN or "
+            f"Inf at inner step {self.local_step}: some rank's weights went non-finite in its inner "
+            "steps (a NaN or Inf gradient or loss). Raised on every rank, with DiLoCo's anchor, outer "
+            "momentum, residuals and step counts as before the exchange and the fragment's weights "
+            "set back to the anchor on every rank; the inner optimizer's state may hold NaN: load it "
+            "(or the last checkpoint) before going on"
+        )
 
     def _outer(self, i: int, gradient: torch.Tensor, first: bool, lr_sum: float | None = None) -> None:
         """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it; with

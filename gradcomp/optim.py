@@ -41,7 +41,7 @@ import torch.distributed as dist
 from gradcomp.collectives import all_reduce, check_algorithm, key_of, settings_key
 from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.compressors import Compressor, NoCompression, get_compressor, split_options
-from gradcomp.feedback import ErrorFeedback
+from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
 
 __all__ = ["CompressedAdam"]
 
@@ -141,6 +141,13 @@ class CompressedAdam(torch.optim.Optimizer):
     left alone; a trained parameter whose gradient is None counts as a zero
     gradient (every rank exchanges every bucket at every step). Groups are
     fixed at construction (``add_param_group`` raises).
+
+    A step whose exchanged average holds NaN or Inf (a non-finite gradient on any
+    rank reaches every rank's average: no compressor hides one) is skipped on every
+    rank with a warning, as ``torch.amp.GradScaler`` skips one: parameters, moments,
+    step count and residuals stay as they were, and the run goes on as if the batch
+    had not been (``skipped_steps`` counts them). Until a step ends, it keeps a copy
+    of each residual it changes.
     """
 
     def __init__(
@@ -210,6 +217,7 @@ class CompressedAdam(torch.optim.Optimizer):
         self.feedback = ErrorFeedback()
         self.steps_done = 0
         self.last_bytes_sent = 0
+        self.skipped_steps = 0  # steps whose average was not finite (not saved: a statistic)
         self._buckets = self._make_buckets(int(bucket_mb * 2**20))
         self._agreed = False
         wait_for_every_rank(group, "CompressedAdam")  # a rank that never makes one: said, not hung
@@ -300,53 +308,69 @@ class CompressedAdam(torch.optim.Optimizer):
         if not self._agreed:
             self._check_agreement()
         step = self.steps_done + 1
-        if step == self.warmup_steps + 1:
+        if step == self.warmup_steps + 1:  # again after a skipped step: it changes nothing then
             squares = [v for b in self._buckets if self.frozen(b.group, step) for v in self._moments(b)[1]]
             if squares:
                 _fill_unseen(squares)
-        pending = []
-        for bucket in self._buckets:
-            g = self.param_groups[bucket.group]
-            averages, squares = self._moments(bucket)
-            denominators = None
-            if self.frozen(bucket.group, step):
-                # Exchanged: each rank's momentum over the frozen denominator, the
-                # update itself; the compressor's error then weighs alike on every
-                # element (unscaled, an element with a small second moment would
-                # take the error its block's large ones bring, magnified).
-                beta1 = g["betas"][0]
-                denominators = _denominators(squares, g, self.warmup_steps)
-                local = torch._foreach_lerp(averages, self._grads(bucket), 1 - beta1)
-                torch._foreach_div_(local, denominators)
-                flat = torch.cat([u.reshape(-1) for u in local])
-                leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
-                if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
-                    if leftover.is_cuda:  # allocated on the worker's stream, freed after this read
-                        leftover.record_stream(torch.cuda.current_stream(leftover.device))
-                    owed = leftover.to(flat) / torch.cat([d.reshape(-1) for d in denominators])
-                    flat.add_(owed, alpha=1 - beta1)
-                compressor, key = g["compressor"], ("momentum", bucket.index)
-            else:
-                flat = torch.cat([x.reshape(-1) for x in self._grads(bucket)])
-                compressor, key = g["gradient_compressor"] or _DENSE, ("gradient", bucket.index)
-            work = all_reduce(
-                flat,
-                compressor,
-                self.process_group,
-                async_op=True,
-                algorithm=self.algorithm if compressor is not _DENSE else None,
-                feedback=self.feedback,
-                name=key,
-                step=step,
+        pending, log = [], UndoLog(self.feedback)
+        with log.recording():  # the residuals as they were, should the step be skipped
+            for bucket in self._buckets:
+                pending.append(self._exchange(bucket, step))
+        sent = sum(work.get_future().wait().bytes_sent for _, _, work, _ in pending)
+        self.last_bytes_sent = sent
+        if not all_finite([flat for _, flat, _, _ in pending]):
+            log.undo()
+            self.skipped_steps += 1
+            warnings.warn(
+                f"CompressedAdam: step {step} skipped on every rank: the averaged gradients (or updates) "
+                "hold NaN or Inf, from a non-finite gradient on some rank; the moments, the step count "
+                "and the residuals are as they were before it",
+                stacklevel=3,
             )
-            pending.append((bucket, flat, work, denominators))
-        sent = 0
-        for bucket, flat, work, denominators in pending:
-            sent += work.get_future().wait().bytes_sent
+            return loss
+        for bucket, flat, _, denominators in pending:
             self._update(bucket, flat, step, denominators)
         self.steps_done = step
-        self.last_bytes_sent = sent
         return loss
+
+    def _exchange(self, bucket: _Bucket, step: int) -> tuple:
+        """Start bucket's exchange at ``step``: ``(bucket, flat, work, denominators)``, the
+        flat tensor the average lands in, its work, and the frozen denominators (None in
+        the warm-up and for a group without a compressor)."""
+        g = self.param_groups[bucket.group]
+        averages, squares = self._moments(bucket)
+        denominators = None
+        if self.frozen(bucket.group, step):
+            # Exchanged: each rank's momentum over the frozen denominator, the
+            # update itself; the compressor's error then weighs alike on every
+            # element (unscaled, an element with a small second moment would
+            # take the error its block's large ones bring, magnified).
+            beta1 = g["betas"][0]
+            denominators = _denominators(squares, g, self.warmup_steps)
+            local = torch._foreach_lerp(averages, self._grads(bucket), 1 - beta1)
+            torch._foreach_div_(local, denominators)
+            flat = torch.cat([u.reshape(-1) for u in local])
+            leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
+            if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
+                if leftover.is_cuda:  # allocated on the worker's stream, freed after this read
+                    leftover.record_stream(torch.cuda.current_stream(leftover.device))
+                owed = leftover.to(flat) / torch.cat([d.reshape(-1) for d in denominators])
+                flat.add_(owed, alpha=1 - beta1)
+            compressor, key = g["compressor"], ("momentum", bucket.index)
+        else:
+            flat = torch.cat([x.reshape(-1) for x in self._grads(bucket)])
+            compressor, key = g["gradient_compressor"] or _DENSE, ("gradient", bucket.index)
+        work = all_reduce(
+            flat,
+            compressor,
+            self.process_group,
+            async_op=True,
+            algorithm=self.algorithm if compressor is not _DENSE else None,
+            feedback=self.feedback,
+            name=key,
+            step=step,
+        )
+        return bucket, flat, work, denominators
 
     def _check_agreement(self) -> None:
         """Raise on every rank if ranks differ in settings or step: they would switch

@@ -9,7 +9,7 @@ import functools
 import threading
 import warnings
 import zlib
-from collections.abc import Hashable
+from collections.abc import Callable, Generator, Hashable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from gradcomp.collectives.worker import (
 )
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.compressors.base import check_tensor
-from gradcomp.feedback import ErrorFeedback
+from gradcomp.feedback import ErrorFeedback, UndoLog, recording_log
 
 _OPS = {"avg": "avg", "mean": "avg", "sum": "sum"}
 
@@ -156,6 +156,19 @@ def _warn_released() -> None:
     )
 
 
+def _recorded(log: UndoLog, steps: Callable[[], Generator]) -> Generator:
+    """``steps()`` with ``log`` recording on the worker's thread while they run, not while
+    they are paused (other jobs run then)."""
+    inner = steps()
+    while True:
+        with log.recording():
+            try:
+                next(inner)
+            except StopIteration as done:
+                return done.value
+        yield
+
+
 def all_reduce(
     tensor: torch.Tensor,
     compressor: Compressor | Chooser | str,
@@ -267,6 +280,9 @@ def all_reduce(
         if algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
         steps = functools.partial(job_steps, job, q)
+    log = recording_log(residuals)
+    if log is not None:
+        steps = functools.partial(_recorded, log, steps)
     state = job.state()
     shared = shared_names.sharing(state, tensor, q)
     future = q.submit(steps, tensor.device, writes=tensor, name="gradcomp.all_reduce", state=state)
