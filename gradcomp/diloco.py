@@ -97,7 +97,9 @@ class DiLoCo:
     the end there is none: at H = 75 it ended 1.3 points closer to DDP on both
     transformers. Give it where the run's length is known.
 
-    An exchange whose average holds NaN or Inf (a
+    Ranks that reach an exchange at different inner steps (an uneven data shard, a
+    rank that stepped once more before :meth:`synchronize`) raise on every rank: each
+    exchange carries its inner step. An exchange whose average holds NaN or Inf (a
     rank's weights went non-finite in its inner steps) raises ``FloatingPointError``
     on every rank, with DiLoCo's state as before the exchange and the fragment's
     weights set back to the anchor: DiLoCo cannot repair the inner optimizer's
@@ -347,7 +349,9 @@ class DiLoCo:
                     async_op=True,
                     feedback=self.feedback,
                     name=name,
-                    step=self.outer_steps[fragment],
+                    # The inner step: ranks that reach an exchange at different steps (an
+                    # uneven shard) disagree on it, and the all-reduce's agreement refuses them.
+                    step=self.local_step,
                     **options,
                 )
             exchange.parts.append((typed, delta, work))
