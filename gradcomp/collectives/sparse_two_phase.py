@@ -82,11 +82,11 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
         with Timer(stats):
             total = torch.zeros(end - start, dtype=torch.float32, device=flat.device)
             fields = row_views(received, send_layout)
-            values = fields["values"].reshape(-1).float()
+            values = fields["values"].float()
             if job.op == "avg":
                 values = values / world
-            # Empty slots hold (0, 0.0): they add nothing.
-            total.index_add_(0, fields["indices"].reshape(-1).long(), values)
+            # Rank order, on a GPU too; empty slots hold (0, 0.0): they add nothing.
+            ops.scatter_add(fields["indices"], values, total)
             owner_residual = job.residual(owner_key(job.key), total)
             seed = compressor._private_seed(Context(None, job.step, mix_seed(job.key, _OWNER), rank))
             values, indices = ops.topk_select(
@@ -113,10 +113,10 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
         fields = row_views(gathered, keep_layout)
         starts = torch.arange(world, device=flat.device).mul_(chunk).unsqueeze(1)
         indices = fields["indices"].long() + starts
-        # The empty slots of an empty range would point past the end; they add 0.0 to element 0.
-        indices = torch.where(indices < numel, indices, 0).reshape(-1)
+        # The empty slots of an empty range would point past the end; their 0.0 adds nothing.
+        indices = torch.where(indices < numel, indices, 0)
         total = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        ops.scatter_add(indices, fields["values"].reshape(-1).float(), total)
+        ops.scatter_add(indices, fields["values"].float(), total)
         flat.copy_(total)
 
 

@@ -30,7 +30,11 @@ def _check_ratio_k(ratio, k) -> tuple[float | None, int | None]:
 
 class _Sparse(Compressor):
     """Payloads of ``k`` values at indices: decoded by a scatter-add, and a
-    mean divides the ``k`` values, not the output (see ``decompress``)."""
+    mean divides the ``k`` values, not the output (see ``decompress``).
+
+    Several ranks' payloads are added in rank order (:func:`gradcomp.ops.scatter_add`
+    of their rows), so that an index that several ranks chose is summed in one order
+    on every rank and backend, under any GPU schedule."""
 
     sparse = True
 
@@ -38,14 +42,13 @@ class _Sparse(Compressor):
         raise NotImplementedError
 
     def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
-        """The indices of every row's payload, rank after rank (1-D)."""
+        """The indices of every row's payload, ``(rows, k)``, a rank's a row."""
         raise NotImplementedError
 
     @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
-        """Every rank's payload in one scatter-add (on a GPU, atomic: repeated
-        indices are summed in no fixed order); a mean divides each payload's
-        ``k`` values before they are added, not the output."""
+        """Every rank's payload added in rank order by one scatter-add of their rows; a
+        mean divides each payload's ``k`` values before they are added, not the output."""
         self._sum(rows, dtype, out, meta, divisor, ops.scatter_add)
 
     @without_grad
@@ -63,7 +66,7 @@ class _Sparse(Compressor):
         if divisor != 1:
             values = values / divisor
         total = out if out.dtype == torch.float32 else torch.empty(out.numel(), device=out.device)
-        scatter_add(self._row_indices(fields, out.numel(), meta), values.reshape(-1), total.zero_())
+        scatter_add(self._row_indices(fields, out.numel(), meta), values, total.zero_())
         if total is not out:
             out.copy_(total)
 
@@ -199,7 +202,7 @@ class TopK(_Sparse):
         return payload.tensors["indices"]
 
     def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
-        return fields["indices"].reshape(-1)
+        return fields["indices"]
 
 
 class RandK(_Sparse):
@@ -254,4 +257,4 @@ class RandK(_Sparse):
 
     def _row_indices(self, fields: dict[str, torch.Tensor], numel: int, meta: dict[str, int]) -> torch.Tensor:
         indices = ops.randk_indices(numel, meta["k"], meta["seed"], fields["values"].device)
-        return indices.repeat(fields["values"].shape[0])
+        return indices.expand(fields["values"].shape[0], -1)

@@ -6,6 +6,8 @@ The ops layer (:mod:`gradcomp.ops.triton_backend`) strings them together:
   range), :func:`gather_compensated` (values at the picks and what sending
   them loses), :func:`fold_into_residual` (one pass: ``residual <- x + residual``,
   non-finite flags per block);
+* :func:`scatter_add`, the sparse decode: pairs added in their order (rows in
+  rank order), with no atomic add;
 * Top-K's kernels are in :mod:`.topk`.
 """
 
@@ -150,32 +152,83 @@ def fold_into_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.
 
 
 # ----------------------------------------------------------------------------- scatter-add
+#
+# The pairs are added in the order given (rows in rank order), as the reference adds
+# them, with no atomic add, whose order a GPU leaves open: a stable sort of the pairs
+# by index puts each element's pairs next to each other, in their order; the first
+# pair of each run reads the element, adds the run's values one after another and
+# writes it, the only lane that touches it. A zero value adds nothing: its pair sorts
+# past every run (the key numel), so Top-K's pads do not make one long run at index 0.
+# An index outside the output joins element 0's run as a NaN: the step reads as
+# non-finite, without a trap (which would end the CUDA context and leave the peers
+# waiting) or a write out of bounds.
 
 
 @triton.jit
-def _scatter_add_kernel(indices_ptr, values_ptr, out_ptr, count, numel, BLOCK: tl.constexpr):
+def _run_keys_kernel(indices_ptr, values_ptr, out_ptr, keys_ptr, count, numel, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < count
     index = tl.load(indices_ptr + offsets, mask=mask, other=0).to(tl.int64)
-    value = tl.load(values_ptr + offsets, mask=mask, other=0.0)
+    value = tl.load(values_ptr + offsets, mask=mask, other=0.0).to(out_ptr.dtype.element_ty)
     inside = (index >= 0) & (index < numel)
-    tl.atomic_add(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=mask & inside)
-    # An index outside the output is dropped and element 0 becomes NaN: the
-    # step reads as non-finite, without a trap (which would end the CUDA
-    # context and leave the peers waiting) or a write out of bounds.
-    outside = tl.max((mask & ~inside).to(tl.int32), axis=0) > 0
-    tl.store(out_ptr, float("nan"), mask=outside)
+    key = tl.where(inside, tl.where(value == 0, numel, index), 0)
+    tl.store(keys_ptr + offsets, key.to(keys_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _addend(indices_ptr, values_ptr, pair, mask, numel, dtype: tl.constexpr):
+    """Pair ``pair``'s value rounded to ``dtype`` (the output's), in the dtype torch adds
+    it in (fp64 for fp64, else fp32); NaN where its index lies outside the output."""
+    value = tl.load(values_ptr + pair, mask=mask, other=0.0).to(dtype)
+    if dtype != tl.float64:
+        value = value.to(tl.float32)
+    index = tl.load(indices_ptr + pair, mask=mask, other=0).to(tl.int64)
+    return tl.where((index >= 0) & (index < numel), value, float("nan"))
+
+
+@triton.jit
+def _added(total, addend):
+    """``total + addend`` in ``addend``'s dtype, rounded to ``total``'s."""
+    return (total.to(addend.dtype) + addend).to(total.dtype)
+
+
+@triton.jit
+def _add_runs_kernel(
+    keys_ptr, order_ptr, indices_ptr, values_ptr, out_ptr, count, numel, BLOCK: tl.constexpr
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(keys_ptr + positions, mask=positions < count, other=numel).to(tl.int64)
+    before = tl.load(keys_ptr + positions - 1, mask=(positions > 0) & (positions < count), other=-1)
+    first = (key != before.to(tl.int64)) & (key < numel)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.load(out_ptr + key, mask=first)  # no `other`: the interpreter has no bfloat16 constant
+    position, running = positions, first
+    while tl.max(running.to(tl.int32), axis=0) > 0:
+        pair = tl.load(order_ptr + position, mask=running, other=0)
+        addend = _addend(indices_ptr, values_ptr, pair, running, numel, dtype)
+        total = tl.where(running, _added(total, addend), total)
+        position += 1
+        running = running & (position < count)
+        running = running & (tl.load(keys_ptr + position, mask=running, other=-1).to(tl.int64) == key)
+    tl.store(out_ptr + key, total, mask=first)
 
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Triton version of :func:`gradcomp.ops.reference.scatter_add` (atomic adds:
-    repeated indices are summed in no fixed order; an index outside ``out``
-    is dropped and makes element 0 NaN)."""
+    """Triton version of :func:`gradcomp.ops.reference.scatter_add`: the pairs added in
+    their order (rows in rank order) whatever the GPU's schedule; an index outside
+    ``out`` is dropped and makes element 0 NaN."""
     indices, values = flat(indices), flat(values)
     target = out.view(-1)
-    if indices.numel():
-        grid = (triton.cdiv(indices.numel(), ELEMENTS_PER_PROGRAM),)
-        _scatter_add_kernel[grid](
-            indices, values, target, indices.numel(), target.numel(), BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
+    count, numel = indices.numel(), target.numel()
+    if count:
+        # Keys run up to numel (a zero value's).
+        keys = torch.empty(count, dtype=torch.int32 if numel < 2**31 else torch.int64, device=out.device)
+        grid = (triton.cdiv(count, ELEMENTS_PER_PROGRAM),)
+        _run_keys_kernel[grid](
+            indices, values, target, keys, count, numel, BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
+        )
+        keys, order = torch.sort(keys, stable=True)
+        _add_runs_kernel[grid](
+            keys, order, indices, values, target, count, numel, BLOCK=ELEMENTS_PER_PROGRAM, **EXACT
         )
     return out

@@ -229,6 +229,11 @@ def _indices(values: dict, op: str) -> None:
         raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
     if indices.numel() != given.numel():
         raise ValueError(f"{indices.numel()} indices but {given.numel()} values")
+    if indices.dim() > 2 or given.shape != indices.shape:
+        raise ValueError(
+            f"indices and values must be one row (1-D) or rows (2-D) of one shape, "
+            f"got {tuple(indices.shape)} and {tuple(given.shape)}"
+        )
 
 
 def _codes(name: str):

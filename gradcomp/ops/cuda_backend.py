@@ -11,8 +11,8 @@
 * ``sign_compress`` / ``sign_decompress``: signs and residuals bit-exact, the
   block sums added in fp64 in a fixed order (deterministic; within an ulp or
   two of torch's fp32 sums).
-* ``pack_bits`` / ``unpack_bits``: bit-exact; ``scatter_add``: atomic adds,
-  repeated indices summed in no fixed order.
+* ``pack_bits`` / ``unpack_bits``, ``scatter_add``: bit-exact (the scatter's pairs
+  added in their order, no atomic add).
 
 Kernels come from the fatbins that ``setup.py`` builds into ``gradcomp/``; when
 there is none, or it is older than its source, from ``csrc/`` beside the
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy
 import torch
+
+from gradcomp.ops.reference_shared import index_dtype_for
 
 logger = logging.getLogger(__name__)
 
@@ -416,20 +418,28 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:func:`gradcomp.ops.reference.scatter_add` with atomic adds (repeated
-    indices summed in no fixed order). An index outside ``out`` is dropped and
-    makes element 0 NaN (a trap would end the CUDA context). ``W`` ranks'
-    payloads gathered into ``(W, k)`` tensors are decoded by one call on them."""
+    """:func:`gradcomp.ops.reference.scatter_add` on CUDA kernels: the pairs added in
+    their order (rows in rank order) whatever the GPU's schedule, around a stable sort
+    by index (``csrc/scatter.cu``). An index outside ``out`` is dropped and makes
+    element 0 NaN (a trap would end the CUDA context)."""
     indices = _flat(indices)
     if indices.dtype not in INDEX_CODES:
         indices = indices.long()
     target = out.view(-1)
     values = _flat(values).to(target.dtype)
-    count = indices.numel()
+    count, numel = indices.numel(), target.numel()
     if count:
-        name = f"scatter_add_{FLOAT_NAMES[target.dtype]}_{INDEX_NAMES[indices.dtype]}"
-        arguments = (indices.data_ptr(), values.data_ptr(), target.data_ptr(), count, target.numel())
-        _launch(target.device, "scatter", name, _grid(count), ELEMENTWISE_THREADS, *arguments)
+        suffix = f"{FLOAT_NAMES[target.dtype]}_{INDEX_NAMES[indices.dtype]}"
+        # Keys run up to numel (a zero value's): the index dtype of numel elements holds it.
+        keys = torch.empty(count, dtype=index_dtype_for(numel), device=out.device)
+        key_code = numpy.int32(INDEX_CODES[keys.dtype])
+        launch = functools.partial(_launch, target.device, "scatter")
+        pairs = (indices.data_ptr(), values.data_ptr())
+        keying = (*pairs, keys.data_ptr(), count, numel, key_code)
+        launch(f"scatter_keys_{suffix}", _grid(count), ELEMENTWISE_THREADS, *keying)
+        keys, order = torch.sort(keys, stable=True)
+        adding = (keys.data_ptr(), key_code, order.data_ptr(), *pairs, target.data_ptr(), count, numel)
+        launch(f"scatter_add_{suffix}", _grid(count), ELEMENTWISE_THREADS, *adding)
     return out
 
 

@@ -238,11 +238,26 @@ def randk_select(
 
 
 def scatter_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out.view(-1)[indices] += values`` with repeated indices summed; returns ``out``.
+    """``out.view(-1)[i] += v`` for every pair ``(i, v)`` of ``indices`` and ``values``,
+    one at a time in the order given: a 2-D pair of tensors holds one payload a row,
+    added row after row (rank order), each row in its own order; returns ``out``.
+
+    Every element's sum is thus taken in one order, the same on every backend and
+    under any GPU schedule, so that every rank decoding the same rows gets the same
+    bits. A value of zero adds nothing (Top-K pads its payloads with index 0, value 0):
+    not even ``-0.0 + 0.0 = +0.0``. Values are first rounded to ``out``'s dtype.
 
     An index outside ``out`` raises here; the GPU kernels, which cannot raise
     without a host sync or a trap that ends the CUDA context, drop its value
     and make element 0 NaN instead."""
     flat = out.view(-1)
-    flat.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).to(flat.dtype))
+    rows = indices if indices.dim() == 2 else indices.reshape(1, -1)
+    for row_indices, row_values in zip(rows, values.reshape(rows.shape), strict=True):
+        row_values = row_values.to(flat.dtype)
+        # x + (-0.0) is x for every x, where + 0.0 would turn -0.0 into +0.0.
+        row_values = torch.where(row_values == 0, -0.0, row_values)
+        # index_add_ adds a row's pairs in order on CPU; on a GPU it adds them in no
+        # fixed order, which changes nothing for a payload's row: its indices are
+        # distinct but for zero pads.
+        flat.index_add_(0, row_indices.long(), row_values)
     return out
