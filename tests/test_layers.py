@@ -38,6 +38,7 @@ LAYERS = (
     ("feedback and payload", ("feedback", "payload")),
     ("ops", ("ops",)),
     ("streams", ("streams",)),  # which CUDA stream work runs on: imports torch only
+    ("files", ("files",)),  # writes files whole, loads them without running code: imports torch only
     ("kernels", ("kernels",)),  # imports triton and torch only, never the rest of gradcomp
 )
 RANK = {component: len(LAYERS) - i for i, (_, components) in enumerate(LAYERS) for component in components}

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from gradcomp import demo, limited_link, planner
+from gradcomp import demo, files, limited_link, planner
 from gradcomp.cli import plan as plan_command
 from gradcomp.cli import probe as probe_command
 from gradcomp.units import argument, parse_count, parse_duration, parse_rate, parse_size, split_list
@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.rows_out:  # one run behind the limited link, for the caller outside it
         rows = demo.run_demo(args.compressors, epochs=args.epochs, world_size=args.world_size)
-        with open(args.rows_out, "w") as file:
-            json.dump([dataclasses.asdict(row) for row in rows], file)
+        files.write_text(args.rows_out, json.dumps([dataclasses.asdict(row) for row in rows]))
         return 0
     unmet = args.bandwidth and limited_link.unmet_requirement("gradcomp demo --bandwidth")
     if unmet:  # said before training, not after

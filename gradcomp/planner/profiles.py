@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from gradcomp import files
 from gradcomp.collectives import cost_model
 from gradcomp.compressors import Compressor
 from gradcomp.planner.specs import label
@@ -186,7 +187,8 @@ class Profile:
         return profile
 
     def save(self, path: str | pathlib.Path) -> None:
-        pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write the profile as JSON into ``path``, whole or not at all."""
+        files.write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @staticmethod
     def load(path: str | pathlib.Path | None = None) -> Profile:
