@@ -1,5 +1,5 @@
-"""The hook state's checkpoint: a versioned schema, one upgrade function, and the
-``torch.distributed.checkpoint`` adapter.
+"""The hook state's checkpoint: a versioned schema, one upgrade function, the
+``torch.distributed.checkpoint`` adapter and the rank files.
 
 Version 2 (this one)::
 
@@ -23,12 +23,15 @@ from __future__ import annotations
 import io
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
-from gradcomp import planner
+from gradcomp import files, planner
+from gradcomp.ddp import records
 from gradcomp.ddp.auto import BucketPlans, Phase, Remeasure, StepSizes
+from gradcomp.ddp.records import on_device as on_device
 from gradcomp.ddp.trial import Trial
 
 logger = logging.getLogger("gradcomp.ddp")
@@ -152,13 +155,21 @@ class Checkpointable:
     :class:`gradcomp.DiLoCo`) for
     ``torch.distributed.checkpoint`` (a ``Stateful``):
     one checkpoint directory holds the model, the optimizer and every rank's
-    residuals, each rank's under a key of its own.
+    residuals, each rank's under a key of its own, with what it belongs to
+    (:mod:`gradcomp.ddp.records`); a load refuses another rank's entry, another
+    kind of state, other settings and a non-finite residual, on every rank.
 
     Args:
         state: the hook state to save or restore.
-        mismatch: what loading a checkpoint of another world size does:
-            ``"raise"`` (default) a ``ValueError``; ``"drop"`` keeps the
-            step but starts the residuals afresh, with a warning.
+        mismatch: what loading a checkpoint of another world size does, on every
+            rank: ``"raise"`` (default) a ``ValueError``; ``"drop"`` keeps the
+            step but starts the residuals afresh, with a warning (DiLoCo: every
+            rank takes rank 0's weights, anchor and steps).
+
+    ``torch.distributed.checkpoint``'s default load planner unpickles every entry that
+    is not a tensor (this one, the optimizer's settings) with ``weights_only=False``
+    (torch 2.13): trust a checkpoint directory as a whole, or load it with a planner
+    that does not. :func:`save_rank_file`'s files load with ``weights_only=True``.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -175,86 +186,143 @@ class Checkpointable:
         self.mismatch = mismatch
 
     def state_dict(self) -> dict:
-        buffer = io.BytesIO()
-        torch.save(on_device(self.state.state_dict(), "cpu"), buffer)
-        buffer.seek(0)
-        self._placeholder = buffer  # what a load that finds nothing leaves in place
         rank, world = _rank_and_world(self.state.process_group)
-        return {"world_size": world, f"rank{rank}": buffer}
+        loading = _checkpoint_being_loaded()
+        if loading is None:
+            buffer = io.BytesIO()
+            torch.save(records.record(self.state, rank, world), buffer)
+            buffer.seek(0)
+        else:  # what the load fills in; where the checkpoint has no entry of this rank, nothing
+            key, saved = loading
+            lacks = f"{key}.world_size" in saved and f"{key}.rank{rank}" not in saved
+            buffer = None if lacks else io.BytesIO()
+        self._placeholder = buffer  # what a load that finds nothing leaves in place
+        return {"world_size": world, **({} if buffer is None else {f"rank{rank}": buffer})}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        rank, world = _rank_and_world(self.state.process_group)
-        saved, mine = int(state_dict["world_size"]), state_dict.get(f"rank{rank}")
-        if mine is getattr(self, "_placeholder", None):
-            mine = None  # the checkpoint had no state for this rank (a partial load)
-        if isinstance(mine, io.BytesIO):
-            mine.seek(0)
-            mine = torch.load(mine, weights_only=False)
-        if saved != world or mine is None:
-            message = (
-                f"the checkpoint holds the hook state of {saved} ranks and this run has {world}: "
-                "residuals belong to their rank"
-            )
-            if self.mismatch == "raise":
-                raise ValueError(message + "; resume on as many ranks, or pass mismatch='drop'")
-            logger.warning("gradcomp: %s; the residuals start afresh (mismatch='drop')", message)
-            restart = getattr(self.state, "restart", None)  # DiLoCo: its shared state, the ranks agreeing
-            if restart is not None:
-                restart(mine)
-            elif mine is not None and "step" in mine:
-                self.state.step = int(mine["step"])
+        group = self.state.process_group
+        rank, world = _rank_and_world(group)
+        saved_world = int(state_dict["world_size"])
+        entry = state_dict.get(f"rank{rank}")
+        if entry is getattr(self, "_placeholder", None):
+            entry = None  # the checkpoint had no state for this rank
+        mine, summaries = records.on_every_rank(group, lambda: self._opened(entry, rank))
+        missing = [r for r, (found, _) in enumerate(summaries) if not found]
+        if saved_world == world and not missing:
+            records.on_every_rank(group, lambda: (self.state.load_state_dict(mine), None))
+            return  # residuals move to their gradients' device at first use
+        message = (
+            f"the checkpoint holds the hook state of {saved_world} ranks and this run has {world}"
+            if saved_world != world
+            else f"the checkpoint holds no hook state for rank {missing[0]} of {world}"
+        ) + ": residuals belong to their rank"
+        if self.mismatch == "raise":
+            raise ValueError(message + "; resume on as many ranks, or pass mismatch='drop'")
+        logger.warning("gradcomp: %s; the residuals start afresh (mismatch='drop')", message)
+        self._start_afresh(mine, [step for _, step in summaries if step is not None])
+
+    def _opened(self, entry, rank: int) -> tuple:
+        """(this rank's checked state dict or None, (whether it has one, its step))."""
+        if entry is None:
+            return None, (False, None)
+        where = f"the checkpoint's gradcomp entry rank{rank}"
+        # torch.distributed.checkpoint hands over what it unpickled; a direct call, the buffer.
+        saved = files.load_file(_rewound(entry), where) if isinstance(entry, io.BytesIO) else entry
+        mine, _ = records.opened(saved, self.state, rank, where)
+        return mine, (True, mine.get("step"))
+
+    def _start_afresh(self, mine: dict | None, steps: list[int]) -> None:
+        """(every rank) Keep the saved step (``steps``: every rank's that has one), not the residuals."""
+        restart = getattr(self.state, "restart", None)  # DiLoCo: its shared state, the ranks agreeing
+        if restart is not None:
+            restart(mine)
             return
-        self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
+        if len(set(steps)) > 1:
+            raise ValueError(f"the checkpoint's ranks were saved at different steps: {sorted(set(steps))}")
+        if steps:
+            self.state.step = int(steps[0])
 
 
+def _rewound(buffer: io.BytesIO) -> io.BytesIO:
+    buffer.seek(0)
+    return buffer
+
+
+def _checkpoint_being_loaded() -> tuple[str, set[str]] | None:
+    """Where ``torch.distributed.checkpoint.load`` asks :meth:`Checkpointable.state_dict` what
+    to fill in: the key it is under and the keys of the checkpoint being read; None
+    otherwise (a save). A ``Stateful`` is asked before the load with no word of what the
+    checkpoint holds, and an entry it names that the checkpoint lacks (this rank's, where
+    the saving run had fewer ranks) fails the load on every rank before ``mismatch``
+    could apply: the checkpoint's keys are read where ``load`` holds its reader."""
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "load" and frame.f_globals.get("__name__") == _DCP_LOADER
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    reader, key = frame.f_locals.get("storage_reader"), frame.f_locals.get("key")
+    try:
+        keys = reader.read_metadata().state_dict_metadata
+    except Exception:  # another torch's loader or reader: every entry is asked for, as before
+        return None
+    return None if key is None else (str(key), set(keys))
+
+
+_DCP_LOADER = "torch.distributed.checkpoint.state_dict_loader"
 RANK_FILE = "gradcomp_rank{rank}.pt"
 
 
 def save_rank_file(state, directory: str) -> str:
     """Write this rank's ``state`` (a :class:`HookState`, :class:`gradcomp.fsdp.FSDPState`)
     into ``directory`` as a file of its own, beside a framework's checkpoint (as
-    Trainer's ``rng_state_{rank}.pth``); every rank calls it. Returns the file's path."""
+    Trainer's ``rng_state_{rank}.pth``); every rank calls it. The file is written whole
+    or not at all (:func:`gradcomp.files.atomic_write`): a process killed while saving
+    leaves the previous file. Returns the file's path."""
     rank, world = _rank_and_world(state.process_group)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, RANK_FILE.format(rank=rank))
-    torch.save({"world_size": world, "state": on_device(state.state_dict(), "cpu")}, path)
+    saved = records.record(state, rank, world)
+    files.atomic_write(path, lambda file: torch.save(saved, file))
     return path
 
 
 def load_rank_file(state, directory: str) -> None:
-    """Restore this rank's ``state`` from :func:`save_rank_file`'s file in ``directory``.
+    """Restore this rank's ``state`` from :func:`save_rank_file`'s file in ``directory``;
+    every rank calls it, and where one rank's file is refused, every rank raises.
 
     Raises:
         FileNotFoundError: the folder holds no gradcomp state for this rank.
-        ValueError: it was saved by a run of another world size.
+        ValueError: the file is truncated or corrupt, needs more than tensors to load
+            (:func:`gradcomp.files.load_file`), belongs to another rank or kind of state,
+            was saved by a run of another world size or settings, or holds a non-finite
+            residual (each naming the file).
     """
     rank, world = _rank_and_world(state.process_group)
     path = os.path.join(directory, RANK_FILE.format(rank=rank))
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"gradcomp: {path} does not exist: the checkpoint holds no compression state for rank {rank} "
-            "(saved without gradcomp, or by fewer ranks); its residuals would be lost"
-        )
-    saved = torch.load(path, weights_only=False)
-    if int(saved["world_size"]) != world:
-        raise ValueError(
-            f"the checkpoint holds the hook state of {saved['world_size']} ranks and this run has {world}: "
-            "residuals belong to their rank; resume on as many ranks"
-        )
-    state.load_state_dict(saved["state"])  # residuals move to their gradients' device at first use
+
+    def load() -> tuple:
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"gradcomp: {path} does not exist: the checkpoint holds no compression state for rank "
+                f"{rank} (saved without gradcomp, or by fewer ranks); its residuals would be lost"
+            )
+        saved, saved_world = records.opened(files.load_file(path), state, rank, path)
+        if saved_world is not None and int(saved_world) != world:
+            raise ValueError(
+                f"{path} holds the hook state of {saved_world} ranks and this run has {world}: "
+                "residuals belong to their rank; resume on as many ranks"
+            )
+        try:
+            state.load_state_dict(saved)  # residuals move to their gradients' device at first use
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+        return None, None
+
+    records.on_every_rank(state.process_group, load)
 
 
 def _rank_and_world(group) -> tuple[int, int]:
     """This process's global rank (a key no replica in another group shares) and the group's size."""
     return dist.get_rank(), dist.get_world_size(group)
-
-
-def on_device(value, device: torch.device | str):
-    """``value`` (a state dict) with every tensor in it moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: on_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(on_device(v, device) for v in value)
-    return value

@@ -28,6 +28,7 @@ except ImportError as error:  # the extra is missing
 
 from gradcomp import ddp
 from gradcomp.compressors import get_compressor
+from gradcomp.ddp import records
 from gradcomp.ddp.hook import OLD_NAMES
 
 
@@ -84,10 +85,11 @@ class GradientCompression(Callback):
         """Every rank's hook state, gathered (Lightning writes rank 0's checkpoint):
         a collective, so checkpoints must be saved by every rank, as
         ``ModelCheckpoint`` and ``trainer.save_checkpoint`` do."""
-        mine = ddp.on_device(self.state.state_dict(), "cpu") if self.state is not None else None
-        if not (dist.is_available() and dist.is_initialized()):
+        rank, world = _rank_and_world()
+        mine = records.record(self.state, rank, world) if self.state is not None else None
+        if world == 1:
             return {"ranks": [mine]}
-        everyone = [None] * dist.get_world_size()
+        everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         return {"ranks": everyone}
 
@@ -97,15 +99,20 @@ class GradientCompression(Callback):
 
     def _load(self, saved: dict) -> None:
         ranks = saved["ranks"]
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank, world = _rank_and_world()
         if len(ranks) != world:
             raise ValueError(
                 f"the checkpoint holds the compression state of {len(ranks)} ranks and this run has {world}: "
                 "residuals belong to their rank; resume on the same number of ranks"
             )
-        mine = ranks[dist.get_rank() if dist.is_initialized() else 0]
-        if mine is not None:
-            self.state.load_state_dict(mine)  # residuals move to their gradients' device at first use
+        # Every rank checks every rank's entry (all are in the checkpoint): where one is refused,
+        # every rank raises.
+        opened = [
+            None if entry is None else records.opened(entry, self.state, r, f"the checkpoint's rank {r}")
+            for r, entry in enumerate(ranks)
+        ]
+        if opened[rank] is not None:  # residuals move to their gradients' device at first use
+            self.state.load_state_dict(opened[rank][0])
 
 
 def register_fabric(module, compressor="int8", **options) -> ddp.HookState:
@@ -132,6 +139,12 @@ def register_fabric(module, compressor="int8", **options) -> ddp.HookState:
             f"it wraps a {type(wrapped).__name__}"
         )
     return ddp.register(wrapped, compressor, **options)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _compressor_options(options: dict) -> dict:
