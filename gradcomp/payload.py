@@ -12,6 +12,18 @@ from gradcomp.ops.reference import ALIGN  # one wire format: the row ops write i
 Layout = list[tuple[str, torch.dtype, int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Maker:
+    """What made a payload: the compressor (its settings that decide how a payload
+    decodes, :meth:`gradcomp.compressors.Compressor.decoding_key`) and the shape and
+    dtype of the tensor it compressed. ``decompress`` refuses a payload that another
+    compressor made, or whose shape or dtype changed since."""
+
+    compressor: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+
 @dataclasses.dataclass
 class Payload:
     """Compressed form of one tensor.
@@ -22,6 +34,7 @@ class Payload:
         shape, dtype: of the tensor that was compressed.
         meta: small integers decoding needs beyond the tensors' sizes (for
             example ``k``, a shared ``seed``).
+        maker: what made it (None: not known, as for one built from a buffer).
 
     Example:
         >>> p = gradcomp.get_compressor("int8").compress(torch.randn(1000))
@@ -33,6 +46,7 @@ class Payload:
     shape: torch.Size
     dtype: torch.dtype
     meta: dict[str, int] = dataclasses.field(default_factory=dict)
+    maker: Maker | None = None
 
     @property
     def numel(self) -> int:
@@ -83,10 +97,11 @@ class Payload:
         shape: torch.Size,
         dtype: torch.dtype,
         meta: dict[str, int] | None = None,
+        maker: Maker | None = None,
     ) -> Payload:
         """Views into ``buffer`` (uint8) laid out as ``layout``: no copies."""
         views = {name: view.view(-1) for name, view in row_views(buffer.view(1, -1), layout).items()}
-        return cls(views, torch.Size(shape), dtype, dict(meta or {}))
+        return cls(views, torch.Size(shape), dtype, dict(meta or {}), maker)
 
 
 def row_views(rows: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:

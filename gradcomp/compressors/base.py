@@ -11,7 +11,7 @@ import torch
 
 from gradcomp import ops
 from gradcomp.ops.reference import write_out
-from gradcomp.payload import Layout, Payload, buffer_size
+from gradcomp.payload import Layout, Maker, Payload, buffer_size
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MASK64 = 2**64 - 1
@@ -136,8 +136,21 @@ class Compressor:
             key = self.__dict__["_settings_key"] = repr(sorted(self.settings().items()))
         return key
 
+    def decoding_key(self) -> str:
+        """The settings that decide how a payload decodes, readable (``Int8(block=256,
+        stochastic=False)``): :meth:`settings` but ``feedback`` and ``seed``, which
+        change only how a payload is made. A payload remembers its maker's; kept until
+        an attribute is set."""
+        key = self.__dict__.get("_decoding_key")
+        if key is None:
+            options = {k: v for k, v in self.settings().items() if k not in ("name", "feedback", "seed")}
+            described = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            key = self.__dict__["_decoding_key"] = f"{type(self).__name__}({described})"
+        return key
+
     def __setattr__(self, name: str, value) -> None:
         self.__dict__.pop("_settings_key", None)
+        self.__dict__.pop("_decoding_key", None)
         super().__setattr__(name, value)
 
     def __repr__(self) -> str:
@@ -158,7 +171,8 @@ class Compressor:
         if ctx.residual is not None:
             _check_companion("residual", ctx.residual, tensor.numel(), tensor.device)
         tensors, meta = self._encode_shaped(tensor.detach().reshape(-1), tensor.shape, ctx)
-        return Payload(tensors, tensor.shape, tensor.dtype, meta)
+        maker = Maker(self.decoding_key(), tensor.shape, tensor.dtype)
+        return Payload(tensors, tensor.shape, tensor.dtype, meta, maker)
 
     @without_grad
     def decompress(
@@ -178,7 +192,13 @@ class Compressor:
                 rounded to the output's dtype or added into ``out``. Sparse
                 compressors divide only the values they carry, so averaging
                 gathered payloads costs no pass over the whole output.
+
+        Raises:
+            ValueError: a payload another compressor made (or one of other settings),
+                one whose shape or dtype changed since it was made, or one whose
+                tensors are not what this compressor makes for its shape.
         """
+        self._check_payload(payload)
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=")
         if out is not None:
@@ -196,6 +216,33 @@ class Compressor:
     def payload_layout(self, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Layout:
         """The layout of a payload for ``numel`` elements (``meta`` as the payload's)."""
         raise NotImplementedError
+
+    def _check_payload(self, payload: Payload) -> None:
+        """``ValueError`` unless this compressor can decode ``payload`` as it stands: made
+        by one of these settings for its shape and dtype, or, where its maker is not
+        known, holding the tensors this compressor makes for its shape."""
+        maker, mine = payload.maker, self.decoding_key()
+        if maker is not None and maker.compressor != mine:
+            raise ValueError(
+                f"this payload was made by {maker.compressor}, not {mine}: decode it with the compressor "
+                "(and settings) that made it"
+            )
+        if maker is not None and (maker.shape, maker.dtype) != (payload.shape, payload.dtype):
+            raise ValueError(
+                f"this {mine} payload was made for a tensor of shape {tuple(maker.shape)} and "
+                f"{maker.dtype}, not {tuple(payload.shape)} and {payload.dtype}"
+            )
+        try:
+            expected = self.payload_layout(payload.numel, payload.dtype, payload.meta)
+            same = _by_name(payload.layout()) == _by_name(expected)
+            wanted = None if same else f"makes {_described(expected)}"
+        except KeyError as missing:
+            wanted = f"needs meta {missing}"
+        if wanted is not None:
+            raise ValueError(
+                f"{mine} cannot decode this payload of shape {tuple(payload.shape)} and {payload.dtype}: it "
+                f"holds {_described(payload.layout())} and meta {sorted(payload.meta)}, where {mine} {wanted}"
+            )
 
     # ------------------------------------------------------------------ payload rows
     # What the collectives exchange: many payloads, one a row of a 2-D uint8
@@ -256,8 +303,8 @@ class Compressor:
         self.decompress_sum(rows, out.dtype, out, meta=meta, divisor=divisor)
 
     def _from_row(self, row: torch.Tensor, numel: int, dtype: torch.dtype, meta: dict[str, int]) -> Payload:
-        layout = self.payload_layout(numel, dtype, meta)
-        return Payload.from_buffer(row, layout, torch.Size([numel]), dtype, meta)
+        layout, shape = self.payload_layout(numel, dtype, meta), torch.Size([numel])
+        return Payload.from_buffer(row, layout, shape, dtype, meta, Maker(self.decoding_key(), shape, dtype))
 
     # ------------------------------------------------------------------ subclasses
     def _encode(self, flat: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
@@ -285,6 +332,15 @@ class Compressor:
 
     def _shared_seed(self, ctx: Context) -> int:
         return mix_seed(self.seed, ctx.step, ctx.key)
+
+
+def _by_name(layout: Layout) -> dict:
+    return {name: (dtype, numel) for name, dtype, numel in layout}
+
+
+def _described(layout: Layout) -> str:
+    """A layout, readable: ``scales float32[4], codes uint8[1000]``."""
+    return ", ".join(f"{name} {str(dtype).removeprefix('torch.')}[{numel}]" for name, dtype, numel in layout)
 
 
 def check_tensor(tensor: torch.Tensor, name: str = "tensor") -> None:
