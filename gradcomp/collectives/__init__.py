@@ -34,7 +34,6 @@ The package, one concern a module, imports pointing down this list:
 from __future__ import annotations
 
 from gradcomp.collectives.agreement import settings_key as settings_key
-from gradcomp.collectives.agreement import verify_agreement as verify_agreement
 from gradcomp.collectives.agreement import verify_settings as verify_settings
 from gradcomp.collectives.allgather import allgather_segments as allgather_segments
 from gradcomp.collectives.chooser import (

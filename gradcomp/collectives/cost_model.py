@@ -2,7 +2,8 @@
 
 :func:`bytes_sent` gives, without running anything, the bytes one rank
 sends in a compressed all-reduce (what :class:`ReduceStats.bytes_sent`
-counts, from the same payload layouts: the tests compare them), for one
+counts, from the same payload layouts and fingerprint headers: the tests
+compare them), for one
 segment: what a GPU tensor takes. Long CPU tensors (2 W 2**20 elements or
 more) go as segments, each padded on its own: a few bytes more.
 :func:`predicted_seconds` adds a latency per step of each collective's
@@ -16,6 +17,7 @@ import dataclasses
 
 import torch
 
+from gradcomp.collectives.agreement import HEADER_BYTES, lane_count
 from gradcomp.collectives.policy import ALGORITHMS, check_algorithm, default_algorithm
 from gradcomp.collectives.sparse_two_phase import sparse_two_phase_sizes
 from gradcomp.collectives.stats import ring_all_reduce_bytes
@@ -87,28 +89,33 @@ def cost(
     world = world_size
     if world == 1 or numel == 0:
         return Cost(0, 0)
-    if compressor.low_rank:  # P with the dense tensors, then Q: two all-reduces
+    if compressor.low_rank:  # P with the dense tensors and the fingerprint's lanes, then Q
         fact = compressor.factorization(shapes or ((numel,),))
-        itemsize = work_dtype(dtype).itemsize
-        sizes = [n * itemsize for n in (fact.p_numel + fact.dense_numel, fact.q_numel) if n]
+        wire = work_dtype(dtype)
+        first = fact.p_numel + fact.dense_numel + lane_count(wire, world)
+        sizes = [n * wire.itemsize for n in (first, fact.q_numel) if n]
         return _phases(*(("all_reduce", ring_all_reduce_bytes(n, world), 2 * (world - 1)) for n in sizes))
-    if algorithm == "dense":
-        tensors = compressor.compress(torch.zeros(numel, dtype=dtype)).tensors.values()
-        sizes = [t.numel() * t.element_size() for t in tensors]
+    if algorithm == "dense":  # the payload and the fingerprint's lanes: after it, or apart
+        (values,) = compressor.compress(torch.zeros(numel, dtype=dtype)).tensors.values()
+        lanes = lane_count(values.dtype, world)
+        alone = values.numel() == numel and values.dtype == dtype  # collectives.dense._wires
+        sizes = [values.numel(), lanes] if alone else [values.numel() + lanes]
+        sizes = [n * values.element_size() for n in sizes]
         return _phases(*(("all_reduce", ring_all_reduce_bytes(n, world), 2 * (world - 1)) for n in sizes))
     if algorithm == "allgather":
-        width = buffer_size(compressor.compress(torch.zeros(numel, dtype=dtype)).layout())
+        width = buffer_size(compressor.compress(torch.zeros(numel, dtype=dtype)).layout()) + HEADER_BYTES
         return _phases(("all_gather", width * (world - 1), world - 1))
     if compressor.sparse:
         k = resolve_k(numel, compressor.ratio, compressor.k)
         chunk, capacity, kept = sparse_two_phase_sizes(numel, k, world)
         index = torch.int32 if chunk < 2**31 else torch.int64
-        rows = buffer_size([("indices", index, capacity), ("values", dtype, capacity)])
+        rows = buffer_size([("indices", index, capacity), ("values", dtype, capacity)]) + HEADER_BYTES
         keep = buffer_size([("indices", index, kept), ("values", dtype, kept)])
         return _phases(
             ("all_to_all", rows * (world - 1), world - 1), ("all_gather", keep * (world - 1), world - 1)
         )
-    # Rank 0's bytes: the chunks it sends to the others, then its own, gathered.
+    # Rank 0's bytes: the chunks it sends to the others, then its own, gathered with its
+    # fingerprint.
     align = getattr(compressor, "block", 1)
     sizes = [
         buffer_size(compressor.payload_layout(end - start, dtype, {}))
@@ -116,7 +123,8 @@ def cost(
         if end > start
     ]
     return _phases(
-        ("all_to_all", sum(sizes) - sizes[0], world - 1), ("all_gather", sizes[0] * (world - 1), world - 1)
+        ("all_to_all", sum(sizes) - sizes[0], world - 1),
+        ("all_gather", (sizes[0] + HEADER_BYTES) * (world - 1), world - 1),
     )
 
 

@@ -1,6 +1,7 @@
-"""The ``dense`` all-reduce: the payloads of summable compressors (none, the
-16-bit casts, random-K with its shared indices) all-reduced as they are, then
-decoded; and a job on one rank, which only compresses and decodes."""
+"""The ``dense`` all-reduce: the payload of a summable compressor (none, the 16-bit
+casts, random-K with its shared indices) all-reduced as it is, with the lanes of its
+fingerprint (:mod:`~gradcomp.collectives.agreement`), then decoded; and a job on one
+rank, which only compresses and decodes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Generator
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.agreement import check_lanes, lane_count, write_lanes
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange, ring_all_reduce_bytes
 from gradcomp.collectives.worker import CollectiveQueue
@@ -30,8 +32,8 @@ def _divides_values(compressor: Compressor, sum_dtype: torch.dtype) -> bool:
 
 
 def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) -> Generator:
-    """All-reduce the payload's tensors themselves (they add up), then decode into
-    ``flat``; the job pauses while they are in flight."""
+    """All-reduce the payload itself (payloads add up) and the lanes of its fingerprint,
+    judge the lanes, then decode into ``flat``; the job pauses while they are in flight."""
     # Where the mean is not taken when decoding, it is taken before the
     # reduction: the tensor in place (the result overwrites it anyway) and
     # the residual there and back, which stays in the input's units.
@@ -46,8 +48,10 @@ def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) 
     payload = compress_measured(job, flat, residual, q.rank, stats)
     if residual is not None and first > 1:
         residual.mul_(first)
+    ((name, values),) = payload.tensors.items()  # a summable payload is one tensor
+    wires, lanes = _wires(job, values, flat, q)
     works = []
-    for wire in payload.tensors.values():
+    for wire in wires:
         with exchange():
             works.append(dist.all_reduce(wire, group=q.group, async_op=True))
         stats.bytes_sent += ring_all_reduce_bytes(wire.numel() * wire.element_size(), q.world_size)
@@ -57,5 +61,30 @@ def dense(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStats) 
     for work in works:
         with exchange():
             work.wait()
+    if lanes is not None:
+        check_lanes(q, job, lanes)
     with Timer(stats):
-        job.compressor.decompress(payload, out=flat, divisor=divide if at_decode else 1)
+        summed = payload.with_tensors({name: wires[0][: values.numel()]})
+        job.compressor.decompress(summed, out=flat, divisor=divide if at_decode else 1)
+
+
+def _wires(
+    job: Job, values: torch.Tensor, flat: torch.Tensor, q: CollectiveQueue
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """What the job all-reduces, and the lanes of its fingerprint among it (None for a
+    job without headers). A payload that is the tensor as it is (``none``, a cast to the
+    tensor's own dtype) is summed alone, as ``torch.distributed.all_reduce`` sums it
+    (the order a backend adds ranks' values in follows the buffer's length), its lanes
+    in an all-reduce of their own; others carry the lanes after their values."""
+    if job.agreement is None:
+        return [values], None
+    count = lane_count(values.dtype, q.world_size)
+    if values.numel() == flat.numel() and values.dtype == flat.dtype:
+        lanes = values.new_empty(count)
+        write_lanes(lanes, job, q)
+        return [values, lanes], lanes
+    wire = values.new_empty(values.numel() + count)
+    wire[: values.numel()].copy_(values)
+    lanes = wire[values.numel() :]
+    write_lanes(lanes, job, q)
+    return [wire], lanes

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator
 
 from gradcomp.collectives import sparse_two_phase as sparse
-from gradcomp.collectives.agreement import fingerprint_of, verify_agreement
+from gradcomp.collectives.agreement import settle
 from gradcomp.collectives.allgather import allgather
 from gradcomp.collectives.dense import dense, local
 from gradcomp.collectives.hierarchical import hierarchical
@@ -20,7 +20,7 @@ from gradcomp.collectives.low_rank import low_rank
 from gradcomp.collectives.policy import HIERARCHICAL
 from gradcomp.collectives.stats import ReduceStats, ring_all_reduce_bytes
 from gradcomp.collectives.two_phase import two_phase
-from gradcomp.collectives.worker import CollectiveQueue
+from gradcomp.collectives.worker import CollectiveQueue, drive
 
 
 def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats]:
@@ -31,19 +31,17 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
 
     A job pauses only after issuing its last collective: whether the next job
     starts before it finishes depends on timing that differs between ranks,
-    and collectives must still be issued in the same order on every rank."""
+    and collectives must still be issued in the same order on every rank. So the
+    plan of its size is agreed before (:func:`~gradcomp.collectives.agreement.settle`:
+    a round trip at a size's first call, or where its plan changed), all of it
+    before the job's own collectives."""
     tensor = job.tensor
     dense_bytes = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), q.world_size)
     stats = ReduceStats(dense_bytes=dense_bytes, algorithm=job.algorithm, tensor=tensor)
     if tensor.numel() == 0:
         return stats
-    algorithm = job.algorithm
-    if algorithm == HIERARCHICAL:
-        algorithm = f"{algorithm}/{job.inter_algorithm or 'default'}"
-    if job.compressor.low_rank:  # the matrices decide the factors' sizes
-        algorithm = f"{algorithm}/shapes {job.shapes or tuple(tensor.shape)}"
-    job.fingerprint = fingerprint_of(job.compressor, tensor, algorithm, job.op)
-    verify_agreement(q, job.fingerprint, tensor.device)
+    if q.world_size > 1:
+        settle(job, q, _run_to_end)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
     if job.algorithm == HIERARCHICAL:
@@ -63,3 +61,7 @@ def job_steps(job: Job, q: CollectiveQueue) -> Generator[None, None, ReduceStats
     if work is not tensor:
         tensor.copy_(work)
     return stats
+
+
+def _run_to_end(job: Job, q: CollectiveQueue) -> None:
+    drive(job_steps(job, q))

@@ -23,6 +23,13 @@ node and identical across nodes (the inner algorithms give every rank the
 same bits), then gathered. On one node nothing is compressed: the result is
 the dense all-reduce.
 
+Agreement (:mod:`~gradcomp.collectives.agreement`): in step 1 each rank's
+fingerprint reaches its node-mates (in the shared memory's slots, or after each
+shard in the all-to-all), and the shard's job between nodes carries the node's
+fingerprint in its own; a node whose ranks disagreed gives each of its ranks
+another, so that every shard's job fails and every rank raises, none left
+waiting in a node's stage.
+
 The node layout comes, in this order, from ``node_size`` (consecutive ranks
 of the group), from torchrun's ``LOCAL_WORLD_SIZE`` (global rank //
 ``LOCAL_WORLD_SIZE``), or from the ranks' host names. Ranks exchange their
@@ -39,7 +46,14 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives.job import Job
+from gradcomp.collectives.agreement import (
+    HEADER_BYTES,
+    holds_fingerprint,
+    judge,
+    nodes_disagree,
+    write_fingerprint,
+)
+from gradcomp.collectives.job import Agreement, Job
 from gradcomp.collectives.nodes import Hierarchy, Level
 from gradcomp.collectives.policy import default_algorithm
 from gradcomp.collectives.shared_memory import map_shared, shared_area
@@ -55,6 +69,8 @@ logger = logging.getLogger(__name__)
 FlatSteps = Callable[[Job, Level], Generator[None, None, ReduceStats]]
 # Mixed into a job's key for its shard's residual and random streams.
 _SHARD_KEY = 0x48494552
+# hierarchy.areas' key of the node's shared fingerprint slots.
+_FINGERPRINTS = ("fingerprints",)
 
 
 def hierarchical(
@@ -77,6 +93,9 @@ def hierarchical(
     # A reduce-scatter and an all-gather of shards: what a ring sends inside the node.
     stats.bytes_sent_intra = 2 * (size - 1) * shard_len * itemsize
     area = shared_area(hierarchy, shard_len * size, flat.dtype) if flat.device.type == "cpu" else None
+    slots = None if area is None or job.agreement is None else _fingerprint_slots(hierarchy)
+    if slots is None and job.agreement is not None:
+        area = None  # the node could not share the slots: its stages run as collectives
     if size == 1:
         shard = flat if flat.dtype == wide else flat.to(wide)
         _between_nodes(job, shard, hierarchy, stats, flat_steps)
@@ -91,8 +110,13 @@ def hierarchical(
         before = min(lo, numel)  # elements ahead of the own shard (the last shards may be padding)
         rows[rank, :before].copy_(flat[:before])
         rows[rank, hi:numel].copy_(flat[hi:])
+        if slots is not None:
+            slots[rank].fill_(job.agreement.fingerprint)
         with exchange():
             dist.barrier(group=intra.group)
+        # Read before any rank can pass this job's next barrier, so before the next job
+        # writes its own.
+        agreed = slots is None or all(seen == job.agreement.fingerprint for seen in slots.tolist())
         # Nobody reads the result row before the second barrier, and a rank
         # writes its next job's shard there only after every rank has read
         # this one's (the next job's first barrier). Sparse payloads gathered
@@ -110,7 +134,7 @@ def hierarchical(
             if job.op == "avg":
                 shard.div_(size)  # the node's mean; the inner "avg" makes it the group's
         undecoded = _sparse_gather(job, hierarchy)
-        gathered = _between_nodes(job, shard, hierarchy, stats, flat_steps, undecoded)
+        gathered = _between_nodes(job, shard, hierarchy, stats, flat_steps, undecoded, agreed)
         if gathered is not None and _decode_every_shard(job, flat, shard, gathered, hierarchy, stats):
             stats.bytes_sent = stats.bytes_sent_intra + stats.bytes_sent_inter
             return
@@ -138,20 +162,28 @@ def _through_collectives(
     """The node's stages as collectives: an all-to-all of shards, summed, and an all-gather."""
     intra, numel = hierarchy.intra, flat.numel()
     size = intra.world_size
-    padded = flat
-    if shard_len * size != numel:
-        padded = torch.zeros(shard_len * size, dtype=flat.dtype, device=flat.device)
-        padded[:numel].copy_(flat)
-    received = torch.empty(size, shard_len, dtype=flat.dtype, device=flat.device)
+    # Each node-mate's shard, then this rank's fingerprint, where its bytes are aligned
+    # (in elements of the dtype).
+    per_header = HEADER_BYTES // flat.element_size()
+    at = -(-shard_len // per_header) * per_header
+    header = 0 if job.agreement is None else at - shard_len + per_header
+    sent = torch.empty(size, shard_len + header, dtype=flat.dtype, device=flat.device)
+    _split_into(flat, sent[:, :shard_len])
+    if header:
+        write_fingerprint(sent[:, at:].view(torch.uint8), job)
+    received = torch.empty_like(sent)
     with exchange():
-        dist.all_to_all_single(received.view(-1), padded, group=intra.group)
+        dist.all_to_all_single(received.view(-1), sent.view(-1), group=intra.group)
+    stats.bytes_sent_intra += (size - 1) * header * flat.element_size()
+    agreed = not header or holds_fingerprint(received[:, at:].view(torch.uint8), job)
     with Timer(stats):
-        shard = received.sum(0, dtype=wide)
+        shard = received[:, :shard_len].sum(0, dtype=wide)
         if job.op == "avg":
             shard.div_(size)
-    del received
-    _between_nodes(job, shard, hierarchy, stats, flat_steps)
+    del received, sent
+    _between_nodes(job, shard, hierarchy, stats, flat_steps, node_agrees=agreed)
     own = shard if shard.dtype == flat.dtype else shard.to(flat.dtype)
+    padded = flat if shard_len * size == numel else flat.new_empty(shard_len * size)
     with exchange():
         gather = all_gather_async(padded, own, intra.group)
     yield  # every collective of this job is issued: the next job may start
@@ -185,13 +217,22 @@ def _between_nodes(
     stats: ReduceStats,
     flat_steps: FlatSteps | None,
     undecoded: bool = False,
+    node_agrees: bool = True,
 ) -> tuple[torch.Tensor, dict] | None:
     """The compressed all-reduce of this rank's shard among the ranks with its local rank.
 
     With ``undecoded`` (an all-gather between nodes), the shard keeps its input and the
-    gathered payloads are returned undecoded, ``(rows, meta)``; else None."""
+    gathered payloads are returned undecoded, ``(rows, meta)``; else None.
+
+    ``node_agrees``: whether this rank's node-mates sent its fingerprint (every rank of
+    the node knows alike). The shard's job carries the node's fingerprint, so that
+    ranks of nodes with other settings disagree there; a node that disagreed gives each
+    of its ranks another one, so that every shard's job fails, on every node: then every
+    rank raises, naming its node-mates' settings where its node disagreed."""
     inter = hierarchy.inter
     if inter.world_size == 1:
+        if job.agreement is not None and hierarchy.intra.world_size > 1:
+            judge(hierarchy.intra, job, node_agrees)  # the node is the group
         return None
     if flat_steps is None:
         raise ValueError("a hierarchy of several nodes needs flat_steps to reduce its shards between nodes")
@@ -205,8 +246,14 @@ def _between_nodes(
         step=job.step,
         measure_error=job.measure_error,
         gathered=[] if undecoded else None,
+        agreement=_shard_agreement(job, hierarchy, node_agrees),
     )
-    reduced = drive(flat_steps(inner, inter))
+    try:
+        reduced = drive(flat_steps(inner, inter))
+    except ValueError as error:
+        if node_agrees:
+            raise
+        raise nodes_disagree(hierarchy.intra, job) from error
     stats.bytes_sent_inter += reduced.bytes_sent
     stats.compress_seconds += reduced.compress_seconds
     stats.error_sq, stats.input_sq = reduced.error_sq, reduced.input_sq
@@ -270,6 +317,39 @@ def _decode_every_shard(
             if not direct:
                 flat[start : start + own].copy_(shard[:own])
     return True
+
+
+def _shard_agreement(job: Job, hierarchy: Hierarchy, node_agrees: bool) -> Agreement | None:
+    """The agreement terms of this rank's shard job: the node's fingerprint as its
+    parent, one of this rank's own where the node disagreed."""
+    terms = job.agreement
+    if terms is None:
+        return None
+    parent = terms.fingerprint if node_agrees else terms.fingerprint ^ (hierarchy.inter.rank + 1)
+    return Agreement(parent=parent, probe=terms.probe, origin=terms.origin or job)
+
+
+def _fingerprint_slots(hierarchy: Hierarchy) -> torch.Tensor | None:
+    """The node's shared slots of fingerprints, one per local rank (made on first use,
+    with the node's ranks), or None on every rank of the node where it cannot map them."""
+    slots = hierarchy.areas.get(_FINGERPRINTS)
+    if slots is None:
+        slots = map_shared(hierarchy.intra, hierarchy.intra.world_size, torch.int64)
+        if slots is None:
+            hierarchy.shared_memory = False  # decided by every rank of the node alike
+            return None
+        hierarchy.areas[_FINGERPRINTS] = slots
+    return slots
+
+
+def _split_into(flat: torch.Tensor, shards: torch.Tensor) -> None:
+    """``flat`` into the rows of ``shards`` (``size`` x ``length``, strided), zero-padded."""
+    length = shards.shape[1]
+    full, rest = divmod(flat.numel(), length)
+    shards[:full].copy_(flat[: full * length].view(full, length))
+    if full < shards.shape[0]:
+        shards[full:].zero_()
+        shards[full, :rest].copy_(flat[full * length :])
 
 
 def shard_key(key: int, hierarchy: Hierarchy) -> int:

@@ -24,7 +24,7 @@ from gradcomp.collectives.worker import drive
 class InlineGroup:
     """What the algorithms read of a :class:`~gradcomp.collectives.worker.CollectiveQueue`
     (``group``, ``rank``, ``world_size``, the settings verified so far, allgather's
-    lanes), for jobs run in the caller's thread on ``group`` itself."""
+    lanes, the plans agreed), for jobs run in the caller's thread on ``group`` itself."""
 
     __slots__ = (
         "group",
@@ -33,6 +33,7 @@ class InlineGroup:
         "verified",
         "hierarchies",
         "lanes",
+        "plans",
         "layout_exchanges",
         "lock",
     )
@@ -44,6 +45,7 @@ class InlineGroup:
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}
         self.lanes: dict = {}
+        self.plans: dict = {}
         self.layout_exchanges = 0
         self.lock = threading.Lock()
 

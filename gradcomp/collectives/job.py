@@ -19,6 +19,34 @@ from gradcomp.feedback import ErrorFeedback
 
 
 @dataclasses.dataclass
+class Agreement:
+    """What a job's payload headers carry and how they are judged
+    (:mod:`gradcomp.collectives.agreement`).
+
+    Attributes:
+        fingerprint: 64 bits (signed) of everything that decides the job's bits, the
+            same on every rank that has the same settings; every rank sends it with
+            its payload and compares every rank's before decoding.
+        parent: the fingerprint of the job this one is a stage of (a hierarchical
+            job's shard between nodes), 0 for none: part of this one's.
+        probe: a run whose payload is zeros, in the collectives the ranks agreed on
+            before, to tell them that this rank's plan changed (it never decodes).
+        origin: the job whose settings an error names (a probe's or a stage's), None:
+            the job itself.
+        plan: what decides the job's collectives: its tensor's size, dtype and device
+            type, its compressor's settings, its algorithm
+            (:func:`gradcomp.collectives.agreement.plan_key`); jobs of one plan exchange
+            the same sizes.
+    """
+
+    fingerprint: int = 0
+    parent: int = 0
+    probe: bool = False
+    origin: Job | None = None
+    plan: tuple = ()
+
+
+@dataclasses.dataclass
 class Job:
     """One compressed all-reduce, fully described (run by
     :func:`gradcomp.collectives.dispatch.job_steps`).
@@ -35,6 +63,8 @@ class Job:
         gathered: a list: an ``allgather`` leaves its gathered payloads there,
             ``(rows, meta)`` a segment, for the caller to decode (the
             hierarchical algorithm's node stage), instead of decoding them.
+        agreement: what its headers carry (set by the dispatcher); None: no headers
+            (one rank, or a stage run on its own to time it).
     """
 
     tensor: torch.Tensor
@@ -49,7 +79,7 @@ class Job:
     inter_algorithm: str | None = None
     shapes: tuple[tuple[int, ...], ...] | None = None
     gathered: list | None = None
-    fingerprint: tuple | None = None
+    agreement: Agreement | None = None
 
     def state(self) -> tuple:
         """What the job reads and writes, besides its tensor, that outlives it: the

@@ -3,10 +3,11 @@
 For the matrices of a tensor (the shapes of a DDP bucket's parameters, or
 the tensor's own shape), each rank computes ``P_i = M_i Q`` from the shared
 ``Q``; the ``P_i`` are summed (first all-reduce, with the tensors sent as
-they are), ``P`` is orthonormalised, the same bits on every rank; each rank
-computes ``Q_i = M_i^T P`` and keeps ``M_i - P Q_i^T`` as its residual; the
-``Q_i`` are summed (second all-reduce), and the result is ``P Q^T``, the sum
-of every rank's projection onto ``P``. The summed ``Q`` starts the next
+they are and the lanes of the job's fingerprint, judged before the result is
+written: :mod:`~gradcomp.collectives.agreement`), ``P`` is orthonormalised,
+the same bits on every rank; each rank computes ``Q_i = M_i^T P`` and keeps
+``M_i - P Q_i^T`` as its residual; the ``Q_i`` are summed (second all-reduce),
+and the result is ``P Q^T``, the sum of every rank's projection onto ``P``. The summed ``Q`` starts the next
 step's iteration (warm start), kept with the residuals.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Generator
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.agreement import check_lanes, lane_count, write_lanes
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import (
     COMPRESS,
@@ -43,10 +45,14 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
         raise ValueError(f"the shapes hold {fact.numel} elements, the tensor {flat.numel()}: {job.shapes}")
     dtype = lr.work_dtype(flat.dtype)
     residual = job.residual(job.key, flat)
+    sums = fact.p_numel + fact.dense_numel
+    lanes = 0 if job.agreement is None else lane_count(dtype, q.world_size)
     with Timer(stats, COMPRESS):
         stacks = lr.gather_matrices(flat, residual, fact, dtype)
-        first = torch.empty(fact.p_numel + fact.dense_numel, dtype=dtype, device=flat.device)
-        p, packed = first[: fact.p_numel], first[fact.p_numel :]
+        first = torch.empty(sums + lanes, dtype=dtype, device=flat.device)
+        p, packed = first[: fact.p_numel], first[fact.p_numel : sums]
+        if lanes:
+            write_lanes(first[sums:], job, q)
         lr.gather_dense(flat, residual, fact, packed)
         lr.project(stacks, _warm_start(job, fact, flat.device, dtype), p, fact)
         if job.measure_error:  # the dense slices are sent exactly: only the matrices lose
@@ -74,6 +80,8 @@ def low_rank(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceStat
     if work is not None:
         with exchange():
             work.wait()
+    if lanes:  # judged after the pause: nothing before it writes into the tensor
+        check_lanes(q, job, first[sums:])
     with Timer(stats):
         if job.op == "avg" and q.world_size > 1:
             second /= q.world_size  # the factor, not the product: fewer values to divide

@@ -16,13 +16,14 @@ import torch.distributed as dist
 class Level:
     """One level of a hierarchy, shaped like a :class:`CollectiveQueue` for
     the flat algorithms: its group, this rank's place in it, its checked settings,
-    allgather's lanes."""
+    allgather's lanes, the plans its ranks agreed on."""
 
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
     verified: set = dataclasses.field(default_factory=set)
     lanes: dict = dataclasses.field(default_factory=dict)
+    plans: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

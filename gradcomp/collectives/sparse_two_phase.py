@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import ops
+from gradcomp.collectives.agreement import HEADER_BYTES, check_fingerprints, write_fingerprint
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import ReduceStats, Timer, compress_measured, exchange
 from gradcomp.collectives.two_phase import chunk_bounds, chunk_length, owner_key
@@ -64,18 +65,23 @@ def sparse_two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: Re
     # Phase 1: this rank's k pairs, split by range into rows of fixed capacity.
     residual = job.residual(job.key, flat)
     pairs = compress_measured(job, flat, residual, rank, stats).tensors
-    width = buffer_size(send_layout)
-    sent = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
+    width, header = buffer_size(send_layout), 0 if job.agreement is None else HEADER_BYTES
+    sent = torch.empty(world, width + header, dtype=torch.uint8, device=flat.device)
     with Timer(stats):
         split_by_range(pairs["indices"], pairs["values"], chunk, row_views(sent, send_layout), residual)
+    if header:  # every row: every owner sees every rank's fingerprint
+        write_fingerprint(sent[:, width:], job)
     received = torch.empty_like(sent)
     with exchange():
         sent_off = dist.all_to_all_single(received.view(-1), sent.view(-1), group=q.group, async_op=True)
-    stats.bytes_sent += width * (world - 1)
+    stats.bytes_sent += (width + header) * (world - 1)
 
-    # Phase 2: the own range: every rank's pairs added, the largest kept.
+    # Phase 2: the own range: every rank's pairs added, the largest kept; judged first
+    # (another rank's bytes may not hold indices into this range).
     with exchange():
         sent_off.wait()
+    if header:
+        check_fingerprints(q, job, received[:, width:])
     start, end = chunk_bounds(numel, world, 1)[rank]
     own = torch.zeros(1, buffer_size(keep_layout), dtype=torch.uint8, device=flat.device)
     if end > start:

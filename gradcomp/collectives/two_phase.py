@@ -11,6 +11,7 @@ from collections.abc import Generator
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.agreement import HEADER_BYTES, check_fingerprints, write_fingerprint
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import COMPRESS, ReduceStats, Timer, exchange, measured, profiled
 from gradcomp.collectives.worker import CollectiveQueue, all_gather_async
@@ -87,7 +88,10 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
     payloads of a segment travel as rows of one buffer (one payload a chunk):
     an all-to-all gives each rank every rank's payload of its chunk, which
     it decodes and adds in rank order, recompresses with its owner's residual
-    and all-gathers; every rank then decodes the gathered rows into place.
+    and all-gathers, its fingerprint after it; every rank then judges every rank's
+    fingerprint (:mod:`~gradcomp.collectives.agreement`) and decodes the gathered
+    rows into place. A chunk decoded before the judgement holds quantized codes of an
+    agreed size, which any bytes decode to without reading out of place.
     Collectives are issued asynchronously, so that one segment's exchange
     overlaps the next one's compression; the job pauses while the all-gathers
     are in flight. Blocks never straddle a chunk: the decoded values do not
@@ -131,13 +135,14 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
     # Phase 2: the own chunk of every segment: every rank's payload decoded and
     # added, recompressed with the owner's residual, all-gathered.
     gathers, owned = [], 0
+    header = 0 if job.agreement is None else HEADER_BYTES
     for s, (seg, (sent_off, received, _)) in enumerate(zip(segments, exchanges, strict=True)):
         with exchange():
             sent_off.wait()
         width = seg.sizes[0]
-        own = torch.empty(1, width, dtype=torch.uint8, device=flat.device)
+        own = torch.empty(1, width + header, dtype=torch.uint8, device=flat.device)
         if seg.sizes[rank] < width:
-            own.zero_()  # the all-gather sends the whole width
+            own[:, :width].zero_()  # the all-gather sends the whole width
         if seg.owned:
             with Timer(stats):
                 reduced = torch.empty(seg.owned, dtype=flat.dtype, device=flat.device)
@@ -148,15 +153,20 @@ def two_phase(job: Job, flat: torch.Tensor, q: CollectiveQueue, stats: ReduceSta
                 with profiled(COMPRESS):
                     compressor.compress_rows(reduced, seg.chunk, own, context)
             owned += seg.owned
-        gathered = torch.empty(world, width, dtype=torch.uint8, device=flat.device)
+        if header:
+            write_fingerprint(own[0, width:], job)
+        gathered = torch.empty(world, width + header, dtype=torch.uint8, device=flat.device)
         with exchange():
             gathers.append((all_gather_async(gathered.view(-1), own.view(-1), q.group), gathered, own))
-        stats.bytes_sent += width * (world - 1)
+        stats.bytes_sent += (width + header) * (world - 1)
     yield  # every collective of this job is issued: the next job may start
-    # Phase 3: every rank's chunk decoded into place.
-    for seg, (gather, gathered, _) in zip(segments, gathers, strict=True):
+    # Phase 3: every rank's chunk decoded into place, once every rank's fingerprint is
+    # judged (each rank's all-gathered row carries it: every rank is an owner).
+    for s, (seg, (gather, gathered, _)) in enumerate(zip(segments, gathers, strict=True)):
         with exchange():
             gather.wait()
+        if header and s == 0:  # every segment's rows hold the same fingerprints
+            check_fingerprints(q, job, gathered[:, seg.sizes[0] :], [later[0] for later in gathers[1:]])
         with Timer(stats):
             compressor.decompress_rows(gathered, flat.dtype, seg.chunk, flat[seg.start : seg.end])
 

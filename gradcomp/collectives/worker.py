@@ -93,7 +93,8 @@ class CollectiveQueue:
         self.world_size = dist.get_world_size(self.group)
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}  # node_size setting -> Hierarchy (collectives.hierarchical)
-        self.lanes: dict = {}  # (fingerprint, device) -> row width (collectives.allgather's one-row lane)
+        self.lanes: dict = {}  # plan -> row width (collectives.allgather's one-row lane)
+        self.plans: dict = {}  # wire kind -> the plan its ranks agreed on (collectives.agreement)
         self.layout_exchanges = 0  # how many layouts were exchanged (failed ones included)
         self.lock = threading.Lock()
         self.failure: BaseException | None = None

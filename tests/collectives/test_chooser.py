@@ -97,7 +97,9 @@ def _all_reduce_auto_disagreeing_body(rank, world_size):
             ValueError,
             match=f"ranks disagree on the all-reduce's compressor='auto' settings:\\n  rank 0: .*{named}",
         ):
-            gradcomp.all_reduce(x.clone(), auto)
+            # A step given: a call that fails counts on no rank's step counter (the default
+            # step), which every later call's fingerprint holds.
+            gradcomp.all_reduce(x.clone(), auto, step=0)
         gradcomp.collectives.release_queues()
     # The same settings agree (and the shared "auto" is one instance, found by its name).
     same = planner.Auto(allow=("int8",), profile=profile(GBIT))

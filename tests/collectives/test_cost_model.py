@@ -7,6 +7,7 @@ import torch
 import gradcomp
 from gradcomp import cli
 from gradcomp.collectives import cost_model
+from gradcomp.collectives.agreement import HEADER_BYTES
 
 
 def test_allgather_grows_with_the_world_and_two_phase_does_not():
@@ -14,11 +15,12 @@ def test_allgather_grows_with_the_world_and_two_phase_does_not():
     topk = gradcomp.get_compressor("topk")
     gathered = [cost_model.cost(topk, numel, w, "allgather").bytes_sent for w in (2, 8, 1024)]
     payload = gradcomp.get_compressor("topk").compress(torch.randn(numel)).nbytes
-    assert gathered == [payload * (w - 1) for w in (2, 8, 1024)]
+    # Each rank's row: its payload, then its fingerprint.
+    assert gathered == [(payload + HEADER_BYTES) * (w - 1) for w in (2, 8, 1024)]
     reduced = [cost_model.cost(topk, numel, w, "two_phase").bytes_sent for w in (2, 8, 1024)]
     assert max(reduced) < 3.3 * payload and reduced[2] < gathered[2] / 300
-    # Dense fp32 all-reduce: 2 (W-1)/W of the tensor.
-    assert cost_model.cost("none", numel, 8).bytes_sent == 2 * 7 * 4 * numel // 8
+    # Dense fp32 all-reduce: 2 (W-1)/W of the tensor and of the fingerprint's 64 lanes.
+    assert cost_model.cost("none", numel, 8).bytes_sent == 2 * 7 * 4 * (numel + 64) // 8
 
 
 def test_predicted_time_adds_a_latency_per_collective_step():

@@ -67,6 +67,7 @@ def _lanes_taken(lane: bool = True, wire: list | None = None):
 def _run(rank: int, lane: bool, dtype: torch.dtype):
     """Three steps of every compressor and size, with error feedback; the results,
     the residuals, the bytes counted, the rows sent and how many jobs took the lane."""
+    gradcomp.collectives.release_queues()  # a new group: no plan agreed before
     wire = []
     with _lanes_taken(lane, wire) as taken:
         memory, results, sent = gradcomp.ErrorFeedback(), [], []
@@ -90,7 +91,9 @@ def _lane_is_the_general_path(rank: int, world_size: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         results, memory, sent, wire, taken = _run(rank, lane=True, dtype=dtype)
         expected, expected_memory, expected_sent, expected_wire, none = _run(rank, lane=False, dtype=dtype)
-        assert len(wire) == len(expected_wire) == len(results)
+        # The calls' rows, and a probe's where a size's plan changed (the compressors
+        # take turns at each size): the same on both paths.
+        assert len(wire) == len(expected_wire) > len(results)
         for row, expected_row in zip(wire, expected_wire, strict=True):
             assert torch.equal(row, expected_row)
         # Every kind takes the lane from its second step (the first finds its width).

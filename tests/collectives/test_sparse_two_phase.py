@@ -9,6 +9,7 @@ import torch
 
 import gradcomp
 from gradcomp.collectives import chunk_bounds, key_of
+from gradcomp.collectives.agreement import HEADER_BYTES
 from gradcomp.collectives.sparse_two_phase import CAPACITY, sparse_two_phase_sizes, split_by_range
 from gradcomp.payload import buffer_size
 from tests.utils import gather, run_ranks, same_on_all_ranks
@@ -109,14 +110,15 @@ def _matches_allgather_and_conserves(rank: int, world_size: int) -> None:
                 balance -= world_size * torch.stack(gather(owner)).sum(0)
             torch.testing.assert_close(result.double() * world_size, balance, rtol=0, atol=1e-5)
         if step == 0:
-            # Bytes: the all-to-all's rows and the all-gather's, (W-1) of each.
+            # Bytes: the all-to-all's rows (each with the sender's fingerprint) and the
+            # all-gather's, (W-1) of each.
             chunk, capacity, kept = sparse_two_phase_sizes(numel, round(0.02 * numel), world_size)
             index = torch.int32
             rows = buffer_size([("indices", index, capacity), ("values", torch.float32, capacity)])
             keep = buffer_size([("indices", index, kept), ("values", torch.float32, kept)])
             check = x.clone()
             stats = gradcomp.all_reduce(check, topk, algorithm="two_phase", feedback=False)
-            assert stats.bytes_sent == (rows + keep) * (world_size - 1)
+            assert stats.bytes_sent == (rows + HEADER_BYTES + keep) * (world_size - 1)
     assert errors["two_phase"] <= ERROR_FACTOR * errors["allgather"], errors
 
 
