@@ -30,6 +30,7 @@ from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
+from gradcomp.ddp import records
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
 
 # 2: per-fragment outer steps and exchanges in flight (1 read with one fragment);
@@ -480,8 +481,9 @@ class DiLoCo:
         and steps on every rank, so that the ranks agree again. Every rank calls it."""
         for exchange in self.in_flight:
             exchange.wait()
-        if saved is not None:
-            self.load_state_dict({**saved, "feedback": ErrorFeedback().state_dict(), "in_flight": []})
+        # Before the broadcasts: a saved state refused on the ranks that have one (other
+        # settings) must fail the ranks that have none too, not leave them in a broadcast.
+        records.on_every_rank(self.group, lambda: (self._restore_own(saved), None))
         self.feedback, self.in_flight = ErrorFeedback(), []
         device = self.params[0].device
         counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
@@ -491,6 +493,11 @@ class DiLoCo:
             dist.broadcast(tensor, src=source, group=self.group)
         self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())
         self.lr_sums = lr_sums.tolist()
+
+    def _restore_own(self, saved: dict | None) -> None:
+        """This rank's ``saved`` state where it has one, without its residuals or exchanges."""
+        if saved is not None:
+            self.load_state_dict({**saved, "feedback": ErrorFeedback().state_dict(), "in_flight": []})
 
     def load_state_dict(self, saved: dict) -> None:
         version = saved.get("version")
