@@ -200,7 +200,9 @@ def all_reduce(
             :data:`~gradcomp.collectives.worker.MAX_PENDING` calls of the group
             still pending, the call first waits for the oldest to complete (at
             most the group's timeout, then ``RuntimeError``); a call made on a
-            worker's thread (a future's callback) never waits.
+            worker's thread (a future's callback) never waits for room, and
+            must pass ``async_op=True`` (``RuntimeError`` otherwise: it would
+            wait for the worker it runs on).
         algorithm: ``"dense"``, ``"allgather"``, ``"two_phase"`` or
             ``"hierarchical"`` (dense inside each node, compressed between
             nodes); default from the compressor and the group's size
@@ -257,6 +259,11 @@ def all_reduce(
             check_algorithm(compressor, algorithm)
         check_hierarchy_options(compressor, algorithm, node_size, inter_algorithm)
     q = queue_for(group)
+    if not async_op and q._thread is threading.current_thread():
+        raise RuntimeError(
+            "gradcomp.all_reduce: a call in a callback of one of the group's futures runs on the group's "
+            "worker, which it would wait for: pass async_op=True there and chain on the work's future"
+        )
     named = name is not None
     name = (tuple(tensor.shape), str(tensor.dtype)) if name is None else name
     residuals, counters = _default_feedback(compressor, group or dist.group.WORLD, name, named)
