@@ -87,7 +87,8 @@ def killed_save(numel: int = 1 << 22) -> Row:
             while not glob.glob(os.path.join(directory, "t0-*")) and process.is_alive():
                 time.sleep(0.0005)
             time.sleep(delay)
-            os.kill(process.pid, signal.SIGKILL)
+            if process.is_alive():  # else the save ended before this delay: the new one is whole
+                os.kill(process.pid, signal.SIGKILL)
             process.join()
             (ending,) = _load_ending(directory, numel)
             if ending.status == RETURNED and ending.value in (1, 2):
