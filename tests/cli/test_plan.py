@@ -30,7 +30,9 @@ def test_plan_with_params_prints_every_candidate_and_the_choice(tmp_path, capsys
     buckets = -(-350_000_000 // (2 * BUCKET))
     assert f"350,000,000 bf16 parameters in {buckets} buckets of 25 MB, 16 ranks" in text
     rows = {tuple(line.split()[:3]) for line in text.splitlines()}
-    assert ("none", "dense", f"{2 * 350_000_000 * 15 / 16 * 2 / 1e6:.4g}") in rows  # a ring's bytes
+    # A ring's bytes, and each bucket's all-reduce of its fingerprint's 64 lanes (2 bytes each).
+    dense = 2 * 350_000_000 * 15 / 16 * 2 + buckets * 2 * 15 * 64 * 2 // 16
+    assert ("none", "dense", f"{dense / 1e6:.4g}") in rows
     assert not any(row[0] == "bf16" for row in rows) and "auto picks: int4" in text
     assert cli.main(["plan", "--dtype", "bf16"]) == 2 and "--dtype needs --params" in capsys.readouterr().err
 
