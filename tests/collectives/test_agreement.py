@@ -163,9 +163,10 @@ def test_node_mates_that_disagree_make_every_rank_raise():
 # ------------------------------------------------------------------ settings changed together
 
 
-def _changes_together(rank: int, world_size: int) -> list[torch.Tensor]:
+def _changes_together(rank: int, world_size: int, fresh: bool) -> list[torch.Tensor]:
     """A sequence of calls of one size whose settings change at every call, on every rank
-    alike, with residuals; the results."""
+    alike, with residuals; the results. ``fresh``: no plan kept between the calls, each
+    the first of its size."""
     results = []
     plans = [
         ("int8", {}),
@@ -179,37 +180,26 @@ def _changes_together(rank: int, world_size: int) -> list[torch.Tensor]:
         ("powersgd", {}),
         ("int8", {"op": "sum"}),
     ]
+    memory = gradcomp.ErrorFeedback()
     for salt, (name, options) in enumerate(plans):
+        if fresh:
+            queue_for(None).plans.clear()  # between calls: the worker is idle
         x = _input(rank, salt)
-        gradcomp.all_reduce(x, name, name="t", step=salt, **options)
+        gradcomp.all_reduce(x, name, feedback=memory, name="t", step=salt, **options)
         results.append(x)
     return results
 
 
 def _together_as_if_fresh(rank: int, world_size: int) -> None:
-    changed = _changes_together(rank, world_size)
+    changed = _changes_together(rank, world_size, fresh=False)
     gradcomp.collectives.release_queues()
-    gradcomp.collectives.reduce._DEFAULT_FEEDBACK.clear()
-    # The same calls, each the first of its size on a new group: no plan to change.
-    original = agreement.settle
-
-    def fresh(job, q, run):
-        q.plans.clear()
-        return original(job, q, run)
-
-    agreement.settle, dispatch_settle = fresh, gradcomp.collectives.dispatch.settle
-    gradcomp.collectives.dispatch.settle = fresh
-    try:
-        expected = _changes_together(rank, world_size)
-    finally:
-        agreement.settle, gradcomp.collectives.dispatch.settle = original, dispatch_settle
+    expected = _changes_together(rank, world_size, fresh=True)
     for got, want in zip(changed, expected, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         assert same_on_all_ranks(got)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_settings_changed_on_every_rank_at_once_give_the_bits_of_a_first_call(world_size):
     run_ranks(_together_as_if_fresh, world_size)
 
@@ -304,7 +294,6 @@ def _many_shapes(rank: int, world_size: int) -> None:
     gradcomp.collectives.release_queues()
 
 
-@pytest.mark.slow
 def test_plans_kept_are_bounded():
     run_ranks(_many_shapes, 2, timeout=400)
 
