@@ -5,6 +5,7 @@ loaded on another world size, payloads decoded by another compressor or shape.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -32,6 +33,7 @@ from lib.fault_ranks import (
     Row,
     every_rank_raises,
     logged_warnings,
+    mark,
 )
 
 # ----------------------------------------------------------------------------- checkpoint files
@@ -49,9 +51,9 @@ def _hook_state(numel: int, steps: int, seed: int = 0):
     return state
 
 
-def _save(rank, world_size, directory, numel, steps, mark):
+def _save(rank, world_size, directory, numel, steps, timed):
     state = _hook_state(numel, steps)
-    if mark:
+    if timed:  # the kill's delay counts from here
         mark(directory, rank)
     gradcomp.ddp.save_rank_file(state, directory)
     return state.step
@@ -67,7 +69,20 @@ def _load_ending(directory: str, numel: int, world_size: int = 1, timeout: float
     return fault_ranks.run(_load, world_size, (directory, numel), timeout, timeout)
 
 
-KILL_DELAYS = (0.0, 0.002, 0.01, 0.03, 0.06, 0.1, 0.2, 0.4)
+# Where a save is killed: as it starts (before any byte is written), then at delays
+# after the folder first changes (the write has begun), the first ones inside the write.
+KILL_POINTS = ("at start", 0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 1.0)
+
+
+def _folder(directory: str) -> set:
+    """What the folder holds (names, sizes, times), the run's own marks left out."""
+    found = set()
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(("t0-", "rank")):
+            with contextlib.suppress(FileNotFoundError):
+                info = entry.stat()
+                found.add((entry.name, info.st_size, info.st_mtime_ns))
+    return found
 
 
 def killed_save(numel: int = 1 << 22) -> Row:
@@ -75,31 +90,39 @@ def killed_save(numel: int = 1 << 22) -> Row:
     lost, kept = [], []
     with tempfile.TemporaryDirectory() as directory:
         fault_ranks.run(_save, 1, (directory, numel, 1, False), 120)
-        port = fault_ranks.free_port()
-        for delay in KILL_DELAYS:
+        for point in KILL_POINTS:
             for leftover in glob.glob(os.path.join(directory, "t0-*")):
                 os.remove(leftover)
+            before = _folder(directory)
             process = fault_ranks.mp.get_context("spawn").Process(
                 target=fault_ranks._entry,
-                args=(0, 1, port, 30, directory, _save, (directory, numel, 2, True)),
+                args=(0, 1, fault_ranks.free_port(), 30, directory, _save, (directory, numel, 2, True)),
             )
             process.start()
             while not glob.glob(os.path.join(directory, "t0-*")) and process.is_alive():
                 time.sleep(0.0005)
-            time.sleep(delay)
+            if point != "at start":
+                while _folder(directory) == before and process.is_alive():
+                    pass  # polled without sleeping: the write lasts milliseconds
+                time.sleep(point)
+            label = point if point == "at start" else f"{point * 1000:g} ms into the write"
             if process.is_alive():  # else the save ended before this delay: the new one is whole
                 os.kill(process.pid, signal.SIGKILL)
             process.join()
+            ended = fault_ranks.ending_in(directory, 0)
+            if ended is not None and ended.status != RETURNED:  # the save itself failed: no kill tested
+                lost.append(f"{label}: the save failed: {ended.error}")
+                continue
             (ending,) = _load_ending(directory, numel)
             if ending.status == RETURNED and ending.value in (1, 2):
-                kept.append(f"{delay * 1000:g} ms: step {ending.value}")
+                kept.append(f"{label}: {'previous' if ending.value == 1 else 'new'}")
             else:
-                lost.append(f"{delay * 1000:g} ms: {ending.error or ending.status}")
+                lost.append(f"{label}: {ending.error or ending.status}")
     outcome = KEPT if not lost else LOST
     detail = "; ".join(lost[:2] or kept)
     return Row(
         "save killed while writing",
-        f"SIGKILL at {len(KILL_DELAYS)} points of a {numel * 4 >> 20} MB save",
+        f"SIGKILL at {len(KILL_POINTS)} points of a {numel * 4 >> 20} MB save",
         KEPT,
         outcome,
         None,

@@ -111,11 +111,21 @@ def run(
         return [_ending(directory, rank, processes[rank].exitcode, hung[rank]) for rank in range(world_size)]
 
 
-def _ending(directory: str, rank: int, exitcode: int | None, hung: bool) -> Ending:
+def ending_in(directory: str, rank: int) -> Ending | None:
+    """The ending rank ``rank`` wrote into ``directory``, or None (it wrote none: killed, aborted)."""
     path = os.path.join(directory, f"rank{rank}.json")
-    if os.path.exists(path):
-        with open(path) as file:
-            return Ending(**json.load(file))
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        ending = Ending(**json.load(file))
+    os.remove(path)  # a later run in the same folder writes its own
+    return ending
+
+
+def _ending(directory: str, rank: int, exitcode: int | None, hung: bool) -> Ending:
+    written = ending_in(directory, rank)
+    if written is not None:
+        return written
     if hung:
         return Ending(HUNG)
     if exitcode is not None and -exitcode in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
