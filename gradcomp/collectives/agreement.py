@@ -209,7 +209,14 @@ def check_fingerprints(q: CollectiveQueue, job: Job, headers: torch.Tensor, in_f
 def holds_fingerprint(headers: torch.Tensor, job: Job) -> bool:
     """Whether every row of ``headers`` (2-D uint8) holds ``job``'s fingerprint: one read
     on the host."""
-    return headers.view(torch.int64).tolist() == [[job.agreement.fingerprint]] * headers.shape[0]
+    return read_on_host(headers.view(torch.int64)) == [[job.agreement.fingerprint]] * headers.shape[0]
+
+
+def read_on_host(tensor: torch.Tensor) -> list:
+    """``tensor.tolist()``: the one host read a job makes on purpose, every rank's
+    fingerprints (or their bits' sums) before it decodes; on a GPU it waits for the
+    exchange that brought them."""
+    return tensor.tolist()
 
 
 def lane_count(dtype: torch.dtype, world_size: int) -> int:
@@ -235,7 +242,7 @@ def check_lanes(q: CollectiveQueue, job: Job, lanes: torch.Tensor) -> None:
     rank's bit times the count of its group where the ranks agree, and some lane sums to
     another count on every rank where any bit differs. One read on the host."""
     mine, groups = job.agreement.fingerprint, lanes.numel() // _BITS
-    sums = lanes.view(groups, _BITS).tolist()
+    sums = read_on_host(lanes.view(groups, _BITS))
     counts = [len(range(group, q.world_size, groups)) for group in range(groups)]
     expected = [[((mine >> bit) & 1) * count for bit in range(_BITS)] for count in counts]
     judge(q, job, sums == expected)
