@@ -25,10 +25,11 @@ from gradcomp import collectives
 from tests.utils import run_ranks
 
 LAYERS = 16  # a bucket each: 32 x 32 weights and their bias
-# Calls per bucket (the hook's on the training thread, and the worker's), with ~15% margin;
+# Calls per bucket (the hook's on the training thread, and the worker's), with a margin;
 # the worker's include the per-call agreement (the fingerprint, its header, the verdict:
-# 13 calls).
-BOUNDS = {"int8": (40, 258), "topk": (40, 298)}
+# 13 calls) and, for Top-K, the rank-order decode's checks (304 measured on 2 ranks,
+# bounded at 5% over it: the margin left for the next change is small on purpose).
+BOUNDS = {"int8": (40, 258), "topk": (40, 320)}
 
 
 class CallCounter:
