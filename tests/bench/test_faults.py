@@ -18,6 +18,7 @@ def test_wrong_decodes_are_refused():
         assert row.outcome == ranks.RAISED_EVERYWHERE, row
 
 
+@pytest.mark.slow
 def test_a_crafted_checkpoint_runs_no_code():
     row = files.bad_file("crafted (runs code)")
     assert row.outcome == ranks.REFUSED, row

@@ -197,6 +197,7 @@ def _dies_in_the_second_item(rank: int, world_size: int, items: list[str], progr
         progress.end(item, {"ok": True})
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_costs_its_item_alone(tmp_path):
     import gpu_setup
 
@@ -235,6 +236,7 @@ def _gathered_without_a_coalesced_all_gather(rank: int, world_size: int) -> bool
         return torch.equal(gpu_ranks.flat_parameters(model), whole)
 
 
+@pytest.mark.slow
 def test_fsdp2_parameters_are_gathered_on_the_host_without_full_tensor():
     assert run_ranks(_gathered_without_a_coalesced_all_gather, 3, timeout=120)
 
@@ -257,6 +259,7 @@ def _one_rank_one_ulp_off(rank: int, world_size: int) -> list[dict]:
     return found
 
 
+@pytest.mark.slow
 def test_the_identity_check_finds_one_element_one_rank_holds_otherwise():
     same, off = run_ranks(_one_rank_one_ulp_off, 4, timeout=180)
     assert same == {"identical": True, "elements differing from rank 0, a step": [0, 0, 0]}

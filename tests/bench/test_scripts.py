@@ -11,9 +11,11 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 import gradcomp
 from gradcomp import tables, units
+from gradcomp.collectives import agreement, stats
 from tests.bench.smoke import (  # noqa: F401
     BENCH,
     LOAD_COLUMNS,
@@ -31,6 +33,9 @@ from tests.bench.smoke import (  # noqa: F401
     specs,
     stem,
 )
+
+# The ring bytes of one set of the fingerprint's lanes at 2 ranks, fp32 (a summed payload's).
+LANE_BYTES = stats.ring_all_reduce_bytes(agreement.lane_count(torch.float32, 2) * 4, 2)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -289,7 +294,9 @@ def test_convergence_dense_steps_reduce_first_and_count_their_bytes(tmp_path):
     assert compressed < dense / 3
     for row in start_rows[1:]:
         assert int(row["steps"]) == 42
-        assert float(row["bytes_per_step"]) == pytest.approx((dense + compressed) / 2, rel=1e-12)
+        # The hook's dense steps send DDP's bytes and the fingerprint's lanes (one set a step).
+        expected = (dense + LANE_BYTES + compressed) / 2
+        assert float(row["bytes_per_step"]) == pytest.approx(expected, rel=1e-12)
     # The dense epoch trains exactly as the dense run does (the same average, bit for bit);
     # a compressed first epoch does not.
     dense_curve = start_doc["curves"]["dense"]
@@ -328,8 +335,10 @@ def test_convergence_lm_task_runs_every_kind_and_counts_bytes_alike(tmp_path):
     assert [r["run"] for r in rows] == [*names, "CompressedAdam sign:gradient=int4 (warm-up 1)"]
     bytes_per_step = {r["run"]: float(r["bytes_per_step"]) for r in rows}
     # gradcomp's powersgd counts what its collectives send; torch's hook is
-    # counted from the model's shapes by the same rule: they must agree.
-    assert bytes_per_step["powersgd"] == bytes_per_step["torch PowerSGD rank 4"]
+    # counted from the model's shapes by the same rule: they agree but for the
+    # fingerprint's lanes gradcomp adds, whole sets of them.
+    extra = (bytes_per_step["powersgd"] - bytes_per_step["torch PowerSGD rank 4"]) * 4  # 4 steps
+    assert extra > 0 and extra % LANE_BYTES == 0, extra
     assert bytes_per_step["powersgd"] < bytes_per_step["int8"] < bytes_per_step["dense"]
     assert all(math.isfinite(float(r["validation_loss"])) for r in rows)
     assert rows[3]["target"].startswith(("met", "missed")) and rows[1]["target"] == ""
@@ -438,7 +447,8 @@ def test_convergence_vision_task_runs_diloco_from_a_dense_start(tmp_path):
     int4 = gradcomp.collectives.cost_model.cost("int4", numel, 2).bytes_sent
     assert float(rows[1]["bytes_per_step"]) == pytest.approx(11 * int4 / 42, rel=1e-12)
     dense = float(rows[0]["bytes_per_step"])
-    assert float(rows[2]["bytes_per_step"]) == pytest.approx(9 * dense / 42, rel=1e-12)
+    # `none` sends the tensor itself and the fingerprint's lanes in an all-reduce of their own.
+    assert float(rows[2]["bytes_per_step"]) == pytest.approx(9 * (dense + LANE_BYTES) / 42, rel=1e-12)
 
 
 @pytest.mark.slow

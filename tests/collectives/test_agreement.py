@@ -132,6 +132,7 @@ def _every_algorithm(rank: int, world_size: int, labels: list[str]) -> None:
 
 
 @pytest.mark.parametrize("label", ["two_phase"])
+@pytest.mark.slow
 def test_every_algorithm_judges_every_call(label):
     run_ranks(_every_algorithm, 2, [label])
 
@@ -238,6 +239,7 @@ def _collectives_per_call(rank: int, world_size: int, results: dict) -> None:
     gradcomp.collectives.release_queues()
 
 
+@pytest.mark.slow
 def test_steady_state_issues_the_collectives_it_did_before():
     import torch.multiprocessing as mp
 
@@ -294,6 +296,7 @@ def _many_shapes(rank: int, world_size: int) -> None:
     gradcomp.collectives.release_queues()
 
 
+@pytest.mark.slow
 def test_plans_kept_are_bounded():
     run_ranks(_many_shapes, 2, timeout=400)
 

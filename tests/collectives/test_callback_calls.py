@@ -27,6 +27,7 @@ def _in_a_callback(rank: int, world_size: int, asynchronous: bool) -> None:
     torch.testing.assert_close(inner, torch.full((1000,), (world_size - 1) / 2), atol=1e-2, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_synchronous_call_in_a_callback_raises_instead_of_waiting_for_ever():
     run_ranks(_in_a_callback, 2, False, timeout=60)
 

@@ -123,6 +123,7 @@ def _every_state_round_trips(rank: int, world: int, folder: str, names: list[str
         assert _same(third.state_dict(), saved), f"{name}: the checkpoint entry's state differs"
 
 
+@pytest.mark.slow
 def test_the_hook_fsdp_and_diloco_states_load_with_weights_only(tmp_path):
     run_ranks(_every_state_round_trips, 2, str(tmp_path), ["int8", "fsdp", "diloco"], timeout=300)
 
@@ -250,6 +251,7 @@ def _load_distributed(rank: int, world: int, folder: str, kind: str, saved_world
         assert torch.equal(first, flat)
 
 
+@pytest.mark.slow
 def test_a_distributed_checkpoint_of_2_ranks_on_3_raises_or_drops_on_every_rank(tmp_path):
     steps = run_ranks(_save_distributed, 2, str(tmp_path), "ddp")
     run_ranks(_load_distributed, 3, str(tmp_path), "ddp", 2, steps)

@@ -568,7 +568,7 @@ def test_topk_non_finite_values_are_selected_first(on, k):
 def test_scatter_add_distinct_indices_is_bit_exact(on, out_dtype, index_dtype):
     on.need("scatter_add")
     if on.bf16_rounds_otherwise and out_dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter truncates bfloat16 at each add; a GPU rounds it (bench/gpu_check.sh)")
+        pytest.skip("Triton's interpreter truncates bfloat16 at each add; a GPU rounds it (gpu_check.sh)")
     generator = torch.Generator().manual_seed(7)
     indices = torch.randperm(10_001, generator=generator)[:3001].to(index_dtype).to(on.device)
     values = on.randn(3001, seed=8)
