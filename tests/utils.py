@@ -193,3 +193,21 @@ def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, tensor.contiguous())
     return pieces
+
+
+def trained_diloco(rank: int, steps: int, compressor: str = "int4", fragments: int = 1):
+    """A small MLP under DiLoCo (AdamW inside, H = 2) trained ``steps`` steps on this rank's batches."""
+    import gradcomp  # the package imports nothing of the tests
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = gradcomp.DiLoCo(model, inner, sync_every=2, compressor=compressor, fragments=fragments)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 2, generator=generator)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        outer.step()
+    return outer

@@ -27,7 +27,7 @@ from gradcomp.ddp.records import RESIDUAL_ENTRIES
 from tests.ddp.models import BUCKET_MB, make_model, train
 from tests.planner.profiles import GBIT, profile
 from tests.test_files import RunsCode
-from tests.utils import run_ranks
+from tests.utils import run_ranks, trained_diloco
 
 
 def _same(a, b) -> bool:
@@ -79,18 +79,7 @@ def _fsdp(rank: int, world: int, steps: int):
 
 
 def _diloco(rank: int, world: int, steps: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = gradcomp.DiLoCo(model, inner, sync_every=2, compressor="int4", fragments=2)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 2, generator=generator)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
-        outer.step()
-    return outer
+    return trained_diloco(rank, steps, fragments=2)
 
 
 AUTO = {"warmup_steps": 3, "profile": profile(0.1 * GBIT)}
