@@ -27,16 +27,14 @@ if a check fails.
 
 from __future__ import annotations
 
-import argparse
-import os
 import pathlib
 import re
 import sys
 import threading
 import time
 
-import gpu_setup
 import torch
+from lib import gpu_setup
 
 import gradcomp
 from gradcomp.spawn import run_ranks
@@ -85,14 +83,11 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 def linear_stack(width: int, layers: int) -> torch.nn.Sequential:
     """``layers`` Linear(width, width) + ReLU, seeded without touching the global RNG."""
-    generator = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(
-        *[module for _ in range(layers) for module in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    return gpu_setup.seeded(
+        torch.nn.Sequential(
+            *[module for _ in range(layers) for module in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+        )
     )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) / width**0.5)
-    return model
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -245,25 +240,16 @@ def overlap(device: torch.device, shape: dict, minimum_ms: float, trace_path: st
 
 def mlp(width: int) -> torch.nn.Module:
     """256 inputs, 7 hidden layers of ``width``, 10 outputs; seeded without touching the global RNG."""
-    generator = torch.Generator().manual_seed(0)
     layers = [torch.nn.Linear(256, width), torch.nn.ReLU()]
     for _ in range(6):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
-    return model
+    return gpu_setup.seeded(torch.nn.Sequential(*layers, torch.nn.Linear(width, 10)))
 
 
 def train(rank: int, compressor: str, backend: str | None, device: torch.device, width: int):
     """Parameters after ``STEPS`` of SGD with the hook on ``backend`` (None: the default);
     compressor ``adam:NAME``: CompressedAdam exchanging momentum through NAME, no hook."""
-    if backend is None:
-        os.environ.pop("GRADCOMP_BACKEND", None)
-    else:
-        os.environ["GRADCOMP_BACKEND"] = backend
-    try:
+    with gpu_setup.forced_backend(backend):
         if compressor.startswith("adam:"):
             model = mlp(width).to(device)
             optimizer = gradcomp.optim.CompressedAdam(
@@ -284,9 +270,6 @@ def train(rank: int, compressor: str, backend: str | None, device: torch.device,
             optimizer.step()
         gpu_setup.synchronize(device)
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-    finally:
-        os.environ.pop("GRADCOMP_BACKEND", None)
-        gradcomp.collectives.release_queues()
 
 
 COMPARED = (("int8", 0.0), ("topk", 0.0), ("sign", 1e-5), ("adam:int8", 0.0))
@@ -305,10 +288,7 @@ def compare(rank: int, device: torch.device, width: int) -> dict:
 
 
 def _compare_on_rank(rank: int, world_size: int, device_type: str, width: int) -> dict:
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return compare(rank, device, width)
+    return compare(rank, gpu_setup.rank_device(device_type), width)
 
 
 def record_comparison(results: dict, entry: dict) -> None:
@@ -320,8 +300,7 @@ def record_comparison(results: dict, entry: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    gpu_setup.add_options(parser)
+    parser = gpu_setup.parser(__doc__)
     parser.add_argument("--section", choices=("overlap", "compare"), required=True)
     parser.add_argument("--trace", help="keep the overlap profile's Chrome trace here")
     args = parser.parse_args(argv)

@@ -28,14 +28,12 @@ Writes the checks under "identity" in ``<out>/gpu_check.json``; exits 1 if one f
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
-import gpu_setup
 import torch
 import torch.distributed as dist
+from lib import gpu_setup
 
 import gradcomp
 from gradcomp.collectives import c10d
@@ -55,7 +53,7 @@ CASES = (
     ("int8, allgather", "int8", "allgather"),
     ("int8, two_phase", "int8", "two_phase"),
 )
-# The section's own limit in bench/gpu_check.sh is 45 s.
+# Begin no backend after this; the section's own limit in bench/gpu_check.sh is 45 s.
 SECONDS = 35
 # What dispatch says of a forced backend without the op (gradcomp/ops/dispatch.py).
 NOT_PROVIDED = "requested but it has no"
@@ -90,12 +88,8 @@ def run_case(compressor: str, algorithm: str, rank: int, device: torch.device) -
 
 def check_backend(backend: str, rank: int, device: torch.device) -> dict:
     """Every case on ``backend`` (``default``: none forced)."""
-    if backend == "default":
-        os.environ.pop("GRADCOMP_BACKEND", None)
-    else:
-        os.environ["GRADCOMP_BACKEND"] = backend
     results, began = {}, time.perf_counter()
-    try:
+    with gpu_setup.forced_backend(None if backend == "default" else backend):
         for what, compressor, algorithm in CASES:
             try:
                 results[what] = run_case(compressor, algorithm, rank, device)
@@ -104,9 +98,6 @@ def check_backend(backend: str, rank: int, device: torch.device) -> dict:
                     raise
                 results[what] = {"provided": False, "why": str(error).splitlines()[0]}
                 gradcomp.collectives.release_queues()  # the failed job failed its queue
-    finally:
-        os.environ.pop("GRADCOMP_BACKEND", None)
-        gradcomp.collectives.release_queues()
     ran = [result for result in results.values() if result.get("provided", True)]
     results["ok"] = bool(ran) and all(result["identical"] for result in ran)
     results["seconds"] = round(time.perf_counter() - began, 3)
@@ -114,9 +105,7 @@ def check_backend(backend: str, rank: int, device: torch.device) -> dict:
 
 
 def _backends_on_rank(rank: int, world_size: int, backends: list[str], progress, device_type: str) -> None:
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # every rank on the one GPU
+    device = gpu_setup.rank_device(device_type)
     for backend in backends:
         if not progress.begin(backend):
             return
@@ -124,12 +113,7 @@ def _backends_on_rank(rank: int, world_size: int, backends: list[str], progress,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    gpu_setup.add_options(parser)
-    parser.add_argument(
-        "--seconds", type=float, default=SECONDS, help=f"begin no backend after this (default {SECONDS})"
-    )
-    args = parser.parse_args(argv)
+    args = gpu_setup.parser(__doc__).parse_args(argv)
     device = gpu_setup.device_for(args.dry_run)
     backends = list(BACKENDS[device.type])
     settings = {
@@ -138,14 +122,15 @@ def main(argv=None) -> int:
         "steps": STEPS,
         "backends": backends,
         "cases": {what: [compressor, algorithm] for what, compressor, algorithm in CASES},
-        "seconds": args.seconds,
+        "seconds": SECONDS,
     }
     report = gpu_setup.Report(args.out, "identity", device, settings)
     name = f"{WORLD_SIZE} ranks, Gloo on {device.type.upper()} tensors"
     with report.check(name) as entry:
-        progress = gpu_setup.Progress(report, name, time.time() + args.seconds)
-        gpu_setup.run_items(_backends_on_rank, WORLD_SIZE, backends, progress, device.type)
-        saved = progress.saved()
+        deadline = time.time() + SECONDS
+        saved = gpu_setup.items_on_ranks(
+            report, name, deadline, _backends_on_rank, WORLD_SIZE, backends, device.type
+        )
         entry["differ"] = [
             f"{backend}: {what}"
             for backend in backends

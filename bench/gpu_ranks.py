@@ -17,7 +17,7 @@ dense DDP and FSDP2 paths: the same SGD on the ranks' mean gradient). Checked:
   the dense one moved.
 
 Each path's result is saved as it ends; a rank that crashes costs its path alone
-(``gpu_setup.run_items``), and a path the section's time (``--seconds``, shared
+(``gpu_setup.run_items``), and a path the section's time (``SECONDS``, shared
 between the world sizes by ``TIME_SHARE``) left no room for is reported as not
 run. FSDP2's parameters are gathered on the host, never by ``full_tensor()`` (see
 :func:`full_parameter`).
@@ -37,20 +37,18 @@ Writes the checks under "ranks" in ``<out>/gpu_check.json``; exits 1 if one fail
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
-import gpu_setup
 import torch
 import torch.distributed as dist
+from lib import gpu_setup
 
 import gradcomp
 from gradcomp.collectives import c10d
 
 WORLD_SIZES = (2, 4)
-# The part of the section's time (--seconds) by which each world size has begun its
+# The part of the section's time (SECONDS) by which each world size has begun its
 # paths; 2 ranks have more paths to run (the torch backend's too).
 TIME_SHARE = {2: 0.55, 4: 1.0}
 # The world sizes whose paths also run on the torch backend (the compare section takes
@@ -58,8 +56,8 @@ TIME_SHARE = {2: 0.55, 4: 1.0}
 REFERENCE_WORLD_SIZES = (2,)
 STEPS = 3
 WIDTH = {"cuda": 512, "cpu": 32}
-# The section's own limit in bench/gpu_check.sh is 100 s: this leaves room for a path
-# begun just before it ends.
+# Begin no path after this; the section's own limit in bench/gpu_check.sh is 100 s: this
+# leaves room for a path begun just before it ends.
 SECONDS = 85
 # How far a compressed run may end from the dense one, as a fraction of how far the
 # dense one moved from the start (a few steps: a loose bound; a corrupted or swapped
@@ -125,13 +123,9 @@ def not_covered(error: BaseException, kinds: dict[str, str | None]) -> str | Non
 
 def mlp(width: int, device: torch.device) -> torch.nn.Sequential:
     """Four Linear layers of ``width``, the same weights on every rank."""
-    generator = torch.Generator().manual_seed(0)
-    layers = [torch.nn.Linear(width, width) for _ in range(4)]
-    with torch.no_grad():
-        for layer in layers:
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=generator) / width**0.5)
-    return torch.nn.Sequential(*layers).to(device)
+    return gpu_setup.seeded(torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])).to(
+        device
+    )
 
 
 def batches(rank: int, width: int, device: torch.device) -> list[torch.Tensor]:
@@ -244,12 +238,8 @@ def train_diloco(compressor: str | None, model, data) -> None:
 
 def train(path: str, compressor: str | None, rank: int, device: torch.device, backend: str | None):
     """``path``'s parameters after ``STEPS`` steps (``compressor`` None: dense), on ``backend``."""
-    if backend is None:
-        os.environ.pop("GRADCOMP_BACKEND", None)
-    else:
-        os.environ["GRADCOMP_BACKEND"] = backend
     model, data = mlp(WIDTH[device.type], device), batches(rank, WIDTH[device.type], device)
-    try:
+    with gpu_setup.forced_backend(backend):
         if path == "ddp":
             train_ddp(compressor, model, data)
         elif path.startswith("fsdp"):
@@ -260,9 +250,6 @@ def train(path: str, compressor: str | None, rank: int, device: torch.device, ba
             train_diloco(compressor, model, data)
         gpu_setup.synchronize(device)
         return flat_parameters(model)
-    finally:
-        os.environ.pop("GRADCOMP_BACKEND", None)
-        gradcomp.collectives.release_queues()
 
 
 def replicas_agree(parameters: torch.Tensor) -> bool:
@@ -301,9 +288,7 @@ def check_path(path: str, compressor: str, rank: int, device: torch.device, dens
 
 
 def _paths_on_rank(rank: int, world_size: int, names: list[str], progress, device_type: str) -> None:
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # every rank on the one GPU
+    device = gpu_setup.rank_device(device_type)
     kinds = collective_kinds(device)
     progress.end(KINDS, {k: v for k, v in kinds.items() if v})
     paths = {name: (path, compressor) for name, path, compressor in PATHS}
@@ -323,12 +308,7 @@ def _paths_on_rank(rank: int, world_size: int, names: list[str], progress, devic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    gpu_setup.add_options(parser)
-    parser.add_argument(
-        "--seconds", type=float, default=SECONDS, help=f"begin no path after this (default {SECONDS})"
-    )
-    args = parser.parse_args(argv)
+    args = gpu_setup.parser(__doc__).parse_args(argv)
     device = gpu_setup.device_for(args.dry_run)
     settings = {
         "world sizes": WORLD_SIZES,
@@ -336,16 +316,17 @@ def main(argv=None) -> int:
         "steps": STEPS,
         "width": WIDTH[device.type],
         "bounds": BOUNDS,
-        "seconds": args.seconds,
+        "seconds": SECONDS,
     }
     report = gpu_setup.Report(args.out, "ranks", device, settings)
     began, names = time.time(), [name for name, _, _ in PATHS]
     for world in WORLD_SIZES:
         name = f"{world} ranks, Gloo on {device.type.upper()} tensors"
         with report.check(name) as entry:
-            progress = gpu_setup.Progress(report, name, began + args.seconds * TIME_SHARE[world])
-            gpu_setup.run_items(_paths_on_rank, world, names, progress, device.type)
-            saved = progress.saved()
+            deadline = began + SECONDS * TIME_SHARE[world]
+            saved = gpu_setup.items_on_ranks(
+                report, name, deadline, _paths_on_rank, world, names, device.type
+            )
             results = {path: saved[path] for path in names}
             entry["not covered"] = [path for path, r in results.items() if r.get("covered") is False]
             entry["ok"] = all(r.get("ok", r.get("covered") is False) for r in results.values())

@@ -49,14 +49,13 @@ fails.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import threading
 from unittest import mock
 
-import gpu_setup
 import torch
+from lib import gpu_setup
 
 import gradcomp
 from gradcomp.collectives.worker import all_gather_async
@@ -429,9 +428,7 @@ def _finite_reads_counted(reads: list):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    gpu_setup.add_options(parser)
-    args = parser.parse_args(argv)
+    args = gpu_setup.parser(__doc__).parse_args(argv)
     device = gpu_setup.device_for(args.dry_run)
     if args.dry_run:
         sizes = dict(ordering=DRY_RUN_NUMEL, adam=DRY_RUN_NUMEL, collective=DRY_RUN_NUMEL)

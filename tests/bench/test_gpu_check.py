@@ -53,7 +53,7 @@ sys.path.insert(0, BENCH)
 
 
 @pytest.mark.parametrize(
-    "module", ["gpu_setup", "gpu_worker", "gpu_identity", "gpu_ddp", "gpu_ranks", "gpu_memcheck"]
+    "module", ["lib.gpu_setup", "gpu_worker", "gpu_identity", "gpu_ddp", "gpu_ranks", "gpu_memcheck"]
 )
 def test_every_section_script_imports(module):
     # Imports sit at the top of each script: a name that moved fails here, not on the GPU
@@ -199,7 +199,7 @@ def _dies_in_the_second_item(rank: int, world_size: int, items: list[str], progr
 
 @pytest.mark.slow
 def test_a_rank_that_dies_costs_its_item_alone(tmp_path):
-    import gpu_setup
+    from lib import gpu_setup
 
     report = gpu_setup.Report(str(tmp_path), "items", torch.device("cpu"), {})
     progress = gpu_setup.Progress(report, "two ranks", time.time() + 200)

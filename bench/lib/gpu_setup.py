@@ -13,7 +13,8 @@ a backend) as it ends, and a rank that dies costs only its item
 (:func:`run_items`).
 
 Example:
-    >>> report = Report(out, "worker", device, {"numel": numel})
+    >>> args = parser(__doc__).parse_args()
+    >>> report = Report(args.out, "worker", device_for(args.dry_run), {"numel": numel})
     >>> with report.check("ordering: sync") as entry:
     ...     entry.update(ok=at_once == after)
     >>> sys.exit(report.finish())
@@ -33,11 +34,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from lib.machine import cpu_model
-from lib.results import RESULTS
 
 import gradcomp
 from gradcomp.spawn import RanksFailed, free_port, run_ranks
+from lib.machine import cpu_model
+from lib.results import RESULTS
 
 REPORT = "gpu_check.json"
 
@@ -49,14 +50,17 @@ os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """``--dry-run`` and ``--out``, the options every section takes."""
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A section's parser, described by the first line of ``doc``, with the options every
+    section takes: ``--dry-run`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="run the section's logic on CPU tensors with Gloo and tiny sizes (no GPU needed)",
     )
     parser.add_argument("--out", default=RESULTS, help=f"folder of {REPORT} (default {RESULTS})")
+    return parser
 
 
 def device_for(dry_run: bool) -> torch.device:
@@ -66,6 +70,40 @@ def device_for(dry_run: bool) -> torch.device:
     if not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: needs a CUDA GPU (--dry-run runs it on CPU)")
     return torch.device("cuda", 0)
+
+
+def rank_device(device_type: str) -> torch.device:
+    """A spawned rank's device: the one GPU every rank shares (made current), or the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    return device
+
+
+@contextlib.contextmanager
+def forced_backend(backend: str | None):
+    """Within: ``GRADCOMP_BACKEND=backend`` (None: none forced, dispatch chooses); on
+    leaving, none forced and gradcomp's queues released (a failed job fails its queue)."""
+    if backend is None:
+        os.environ.pop("GRADCOMP_BACKEND", None)
+    else:
+        os.environ["GRADCOMP_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        os.environ.pop("GRADCOMP_BACKEND", None)
+        gradcomp.collectives.release_queues()
+
+
+def seeded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with normal weights over the square root of their last dimension, drawn
+    from a generator seeded 0 (the global RNG untouched): the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+    return model
 
 
 def machine_name(device: torch.device) -> str:
@@ -259,6 +297,16 @@ class Progress:
     def saved(self) -> dict:
         """The check's items in the report: item -> result."""
         return saved_items(self.path, self.section, self.check)
+
+
+def items_on_ranks(
+    report: Report, check: str, deadline: float, body, world_size: int, items: list[str], *args
+):
+    """:func:`run_items` for ``check`` of ``report``, begun until ``deadline`` (``time.time()``);
+    what the report then holds of it: item -> result."""
+    progress = Progress(report, check, deadline)
+    run_items(body, world_size, items, progress, *args)
+    return progress.saved()
 
 
 def run_items(body, world_size: int, items: list[str], progress: Progress, *args, group_timeout: float = 60):
