@@ -193,7 +193,7 @@ class DiLoCo:
             for name in inspect.signature(DiLoCo.__init__).parameters
             if name not in ("self", "compressor_options")
         ]
-        split_options(compressor, compressor_options, own, "DiLoCo")  # a typo: the nearest name said
+        split_options(compressor, compressor_options, own, "gradcomp.DiLoCo")  # a typo: the nearest name said
         chooser = as_chooser(compressor)
         compressor = chooser or get_compressor(compressor, **compressor_options)
         if not chooser:

@@ -168,10 +168,8 @@ class CompressedAdam(torch.optim.Optimizer):
         **compressor_options,
     ):
         if compressor_options:  # for compressor=, as DiLoCo takes them; a typo: the nearest name said
-            if compressor is None:
-                raise ValueError(f"compressor options {sorted(compressor_options)} with compressor=None")
             own = [n for n in inspect.signature(CompressedAdam.__init__).parameters if n not in _NOT_OPTIONS]
-            split_options(compressor, compressor_options, own, "CompressedAdam")
+            split_options(compressor, compressor_options, own, "gradcomp.optim.CompressedAdam")
             compressor = get_compressor(compressor, **compressor_options)
         if not 0.0 <= lr:
             raise ValueError(f"lr must be >= 0, got {lr}")

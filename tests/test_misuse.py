@@ -1,9 +1,10 @@
 """What a new user gets wrong is said, in time, on Gloo ranks: a call made on one rank
 only, a second fsdp.register, replicas nothing reduces between, CompressedAdam
-beside DDP's own all-reduce."""
+beside DDP's own all-reduce, a model registered that nothing wrapped in DDP."""
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -101,3 +102,38 @@ def _adam_beside_ddp(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_compressed_adam_beside_ddps_own_all_reduce_warns():
     run_ranks(_adam_beside_ddp, 2)
+
+
+def test_register_on_a_model_nothing_wrapped_says_why_and_what_to_do(monkeypatch):
+    # Launched as one of 2 ranks (torchrun's WORLD_SIZE) but nothing set up torch.distributed:
+    # accelerate on CPUs without Accelerator(cpu=True), a Trainer without use_cpu=True.
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TypeError) as raised:
+        gradcomp.ddp.register(_model(), "int8")
+    message = str(raised.value)
+    assert message.startswith("gradcomp.ddp.register needs a DistributedDataParallel model, got Sequential")
+    assert "one of WORLD_SIZE=2 ranks, but torch.distributed is not initialized" in message
+    assert "Accelerator(cpu=True)" in message and "TrainingArguments(use_cpu=True)" in message
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(TypeError, match="torch.distributed is not initialized. Launch the ranks"):
+        gradcomp.ddp.register(_model(), "int8")
+
+
+def _registered_unwrapped(rank: int, world: int) -> list[str]:
+    said = []
+    for launched in ("2", "1"):
+        os.environ["WORLD_SIZE"] = launched  # this process's own environment
+        with pytest.raises(TypeError) as raised:
+            gradcomp.ddp.register(_model(), "int8")
+        said.append(str(raised.value))
+    return said
+
+
+@pytest.mark.slow
+def test_register_on_one_rank_of_a_launch_of_two_says_its_group_has_one_rank():
+    launched_two, alone = run_ranks(_registered_unwrapped, 1)
+    assert "one of WORLD_SIZE=2 ranks, but its process group has 1 rank" in launched_two
+    assert alone.endswith(
+        "wrap it first, DistributedDataParallel(model), or register on the model a framework wrapped"
+    )

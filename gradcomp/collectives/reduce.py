@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import threading
 import warnings
 import zlib
@@ -29,7 +30,7 @@ from gradcomp.collectives.policy import HIERARCHICAL, check_algorithm
 from gradcomp.collectives.worker import (
     queue_for,
 )
-from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors import Compressor, get_compressor, label, split_options
 from gradcomp.compressors.base import check_tensor
 from gradcomp.feedback import ErrorFeedback, UndoLog, recording_log
 
@@ -169,6 +170,13 @@ def _recorded(log: UndoLog, steps: Callable[[], Generator]) -> Generator:
         yield
 
 
+def _labelled(name: str, steps: Callable[[], Generator]) -> Generator:
+    """``steps()``, their statistics naming the compressor (as a chooser's do)."""
+    stats = yield from steps()
+    stats.compressor = name
+    return stats
+
+
 def all_reduce(
     tensor: torch.Tensor,
     compressor: Compressor | Chooser | str,
@@ -183,6 +191,7 @@ def all_reduce(
     measure_error: bool = False,
     node_size: int | None = None,
     inter_algorithm: str | None = None,
+    **compressor_options,
 ):
     """Compressed, in-place all-reduce of ``tensor`` across ``group``.
 
@@ -231,6 +240,9 @@ def all_reduce(
             let it weigh the hierarchical algorithm too.
         inter_algorithm: the algorithm between nodes for ``"hierarchical"``
             (default from the compressor and the number of nodes).
+        compressor_options: the options of a compressor given by name
+            (``all_reduce(t, "int4", block=128)`` is ``all_reduce(t, "int4:block=128")``).
+            An option neither takes raises ``ValueError`` naming the nearest.
 
     Returns:
         ``ReduceStats`` if ``async_op`` is False, else a :class:`Work` whose
@@ -241,6 +253,8 @@ def all_reduce(
         >>> for p in model.parameters():
         ...     gradcomp.all_reduce(p.grad, c, name=p_name)
     """
+    if compressor_options:  # checked before anything else: a typo raises on its rank alone
+        split_options(compressor, compressor_options, ALL_REDUCE_OPTIONS, "gradcomp.all_reduce")
     chooser = as_chooser(compressor)
     if chooser is not None and (algorithm is not None or inter_algorithm is not None):
         named = repr(compressor) if isinstance(compressor, str) else type(compressor).__name__
@@ -248,7 +262,7 @@ def all_reduce(
             f"compressor={named} chooses the algorithm: drop algorithm and inter_algorithm "
             "(node_size, where given, says which ranks share a node)"
         )
-    compressor = chooser or get_compressor(compressor)
+    compressor = chooser or get_compressor(compressor, **compressor_options)
     check_tensor(tensor)
     ops.check_forced_backend()
     op = resolve_op(op)
@@ -286,7 +300,7 @@ def all_reduce(
         job = Job(tensor, compressor, op, algorithm, residuals, key_of(name), step, measure_error)
         if algorithm == HIERARCHICAL:
             job.hierarchy, job.inter_algorithm = hierarchy_for(q, node_size), inter_algorithm
-        steps = functools.partial(job_steps, job, q)
+        steps = functools.partial(_labelled, label(compressor), functools.partial(job_steps, job, q))
     log = recording_log(residuals)
     if log is not None:
         steps = functools.partial(_recorded, log, steps)
@@ -299,3 +313,9 @@ def all_reduce(
     if async_op:
         return Work(future)
     return future.wait()
+
+
+# What all_reduce takes beside the tensor, by name (the compressor's options aside).
+ALL_REDUCE_OPTIONS = tuple(
+    name for name in inspect.signature(all_reduce).parameters if name not in ("tensor", "compressor_options")
+)

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 
 from gradcomp.compressors.base import Compressor, Context, mix_seed
@@ -66,38 +67,89 @@ def get_compressor(name: str | Compressor, **options) -> Compressor:
     options = {**spec_options, **options}
     cls = COMPRESSORS[name]
     accepted = compressor_options(name)
-    unknown = sorted(set(options) - set(accepted))
+    unknown = [k for k in options if k not in accepted]
     if unknown:
-        raise ValueError(
-            f"compressor {cls.name!r} has no option {unknown}{_nearest(unknown[0], accepted)}; "
-            f"its options are {accepted}"
-        )
+        raise unknown_options(f"compressor {cls.name!r}", unknown, [], (f"compressor {cls.name!r}", accepted))
     return cls(**options)
 
 
-def split_options(compressor, options: dict, own, owner: str) -> tuple[dict, dict]:
-    """``(owner's options, the compressor's)`` from ``options``, which hold both.
+def split_options(compressor, options: dict, own, owner: str, *, hidden=()) -> tuple[dict, dict]:
+    """``(owner's options, the compressor's)`` from ``options``, which hold both: the
+    check every entry point makes first, before any collective, so that a typo raises
+    on the rank that made it (or on every rank alike) instead of hanging its peers.
+
+    Args:
+        compressor: the entry point's compressor argument: a spec (whose options are
+            the compressor's), ``"auto"`` or another chooser, an instance, or None.
+        options: the keyword arguments the entry point did not bind itself.
+        own: every option ``owner`` takes (its named arguments too, for the message).
+        owner: the entry point as the user calls it (``"gradcomp.ddp.register"``).
+        hidden: options ``owner`` still takes but no longer names (old names).
 
     Raises:
-        ValueError: an option that neither ``owner`` (whose options are ``own``)
-            nor the compressor takes, the nearest name and both lists said.
+        ValueError: an option that neither ``owner`` nor the compressor takes
+            (:func:`unknown_options`).
     """
-    own = list(own)
-    mine = {k: v for k, v in options.items() if k in own}
-    rest = {k: v for k, v in options.items() if k not in own}
+    own = [name for name in own if name not in hidden]
+    taken = {*own, *hidden}
+    mine = {k: v for k, v in options.items() if k in taken}
+    rest = {k: v for k, v in options.items() if k not in taken}
+    what, accepted = _compressor_described(compressor)
+    unknown = [k for k in rest if k not in accepted]
+    if unknown:
+        raise unknown_options(owner, unknown, own, (what, accepted))
+    return mine, rest
+
+
+def unknown_options(owner: str, unknown, own, compressor: tuple[str, list]) -> ValueError:
+    """The one error for options nobody takes, whatever the entry point: ``owner`` named,
+    each unknown option with the nearest name among ``owner``'s options and the
+    compressor's, then both lists. ``compressor``: ``(what it is, its options)``.
+
+    Example:
+        ``gradcomp.ddp.register(model, "int8", blok=128)`` raises ``ValueError:
+        gradcomp.ddp.register has no option 'blok' (did you mean 'block'?). Options of
+        gradcomp.ddp.register: compressor, group, warmup_steps, ...; of compressor 'int8':
+        block, stochastic, feedback, seed.``
+    """
+    what, accepted = compressor
+    names = [*own, *accepted]
+    said = ", ".join(f"{name!r}{_nearest(name, names)}" for name in unknown)
+    if not accepted:
+        theirs = f"{what} takes no compressor options"
+    else:
+        theirs = f"{'Options of' if owner == what else 'of'} {what}: {', '.join(accepted)}"
+    lists = theirs if owner == what else f"Options of {owner}: {', '.join(own)}; {theirs}"
+    return ValueError(f"{owner} has no option{'s' if len(unknown) > 1 else ''} {said}. {lists}.")
+
+
+def _compressor_described(compressor) -> tuple[str, list[str]]:
+    """``(what compressor is, in words; the options it takes)`` for :func:`unknown_options`."""
+    if compressor is None:
+        return "compressor=None", []
     if isinstance(compressor, str):
         name = parse_spec(compressor)[0]
-        accepted = compressor_options(name) if name in COMPRESSORS else []
-        what = f"compressor {name!r}" if name in COMPRESSORS else f"compressor={name!r}"
-    else:  # an instance (made with its options) or a chooser: nothing more to give it
-        accepted, what = [], f"a {type(compressor).__name__} instance"
-    unknown = sorted(set(rest) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"{owner} has no option {unknown}{_nearest(unknown[0], own + accepted)}; its options are {own}"
-            + (f", and {what}'s are {accepted}" if accepted else f"; {what} takes no compressor options")
-        )
-    return mine, rest
+        if name in COMPRESSORS:
+            return f"compressor {name!r}", compressor_options(name)
+        return f"compressor={compressor!r}", []  # "auto" or another chooser: they take none
+    if isinstance(compressor, Compressor):  # made with its options: nothing more to give it
+        made = f"made with its options; give the spec {compressor.name!r} to set them here"
+        return f"the {type(compressor).__name__} given ({made})", []
+    return f"the {type(compressor).__name__} given", []  # a chooser object
+
+
+def label(compressor: Compressor) -> str:
+    """A compressor's short spec: its name and the options that differ from its defaults
+    (``"int8"``, ``"topk:ratio=0.05"``); :func:`get_compressor` makes it back. What the
+    statistics call the compressor (``ReduceStats.compressor``, the hook's steps)."""
+    default = _default_settings(compressor.name)
+    changed = {k: v for k, v in compressor.settings().items() if default.get(k) != v}
+    return compressor.name + "".join(f",{k}={v}" for k, v in sorted(changed.items())).replace(",", ":", 1)
+
+
+@functools.cache
+def _default_settings(name: str) -> dict:
+    return COMPRESSORS[name]().settings()
 
 
 def compressor_options(name: str) -> list[str]:
@@ -167,7 +219,9 @@ __all__ = [
     "TopK",
     "compressor_options",
     "get_compressor",
+    "label",
     "parse_spec",
     "split_options",
     "mix_seed",
+    "unknown_options",
 ]

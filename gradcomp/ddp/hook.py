@@ -5,6 +5,7 @@ hook's annotations and wants ``dist.GradBucket`` itself, not its name.)"""
 
 import functools
 import inspect
+import os
 import time
 import warnings
 
@@ -135,6 +136,33 @@ STATE_OPTIONS = tuple(
 )
 
 
+def _not_distributed(model) -> str:
+    """What :func:`register` says of a ``model`` that is not a DistributedDataParallel: where
+    the process was launched as one of several ranks but torch.distributed was not set up
+    for them, that first, and what sets it up."""
+    said = f"gradcomp.ddp.register needs a DistributedDataParallel model, got {type(model).__name__}"
+    launched = os.environ.get("WORLD_SIZE", "1")
+    launched = int(launched) if launched.isdigit() else 1
+    initialized = dist.is_available() and dist.is_initialized()
+    if launched > 1 and (not initialized or dist.get_world_size() == 1):
+        found = "torch.distributed is not initialized" if not initialized else "its process group has 1 rank"
+        return (
+            f"{said}: this process is one of WORLD_SIZE={launched} ranks, but {found}, so nothing "
+            "wrapped the model. On CPUs, accelerate sets up the ranks with Accelerator(cpu=True) and "
+            "the Trainer with TrainingArguments(use_cpu=True); without a framework, call "
+            "torch.distributed.init_process_group() and wrap the model in DistributedDataParallel"
+        )
+    if not initialized:
+        return (
+            f"{said}: torch.distributed is not initialized. Launch the ranks (torchrun "
+            "--nproc-per-node=N), call torch.distributed.init_process_group() and wrap the model in "
+            "DistributedDataParallel (a framework does both: Trainer, accelerate, Lightning's 'ddp')"
+        )
+    return (
+        f"{said}: wrap it first, DistributedDataParallel(model), or register on the model a framework wrapped"
+    )
+
+
 def register(
     model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str | planner.Auto, **options
 ) -> HookState:
@@ -153,9 +181,13 @@ def register(
         >>> state = gradcomp.ddp.register(ddp_model, "topk", ratio=0.01, warmup_steps=50)
         >>> state = gradcomp.ddp.register(ddp_model, "auto", allow=("bf16", "int8", "int4", "topk@0.01"))
     """
+    # The options first, before the model and any collective: a typo raises on its rank alone.
+    own = ("compressor", *STATE_OPTIONS, *OLD_NAMES)
+    state_options, options = split_options(
+        compressor, options, own, "gradcomp.ddp.register", hidden=OLD_NAMES
+    )
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"register needs a DistributedDataParallel model, got {type(model).__name__}")
-    state_options, options = split_options(compressor, options, (*STATE_OPTIONS, *OLD_NAMES), "register")
+        raise TypeError(_not_distributed(model))
     if "group" in state_options or "process_group" in state_options:
         group = state_options.get("group", state_options.get("process_group"))
     else:

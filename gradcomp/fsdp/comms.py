@@ -69,9 +69,11 @@ def register(
 
     Every rank must call it with the same settings (ranks that differ raise).
     """
-    units = fsdp_units(model)
-    own, options = split_options(compressor, options, OPTIONS, "fsdp.register")
+    # The options first, before the model and any collective: a typo raises on its rank alone.
+    named = ("compressor", "replicate_group", "reduce_scatter", "parameters", *OPTIONS)
+    own, options = split_options(compressor, options, named, "gradcomp.fsdp.register")
     fsdp_options = FSDPOptions(**own)
+    units = fsdp_units(model)
     if replicate_group is None:
         if reduce_scatter is not None:
             raise ValueError(
