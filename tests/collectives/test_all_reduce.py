@@ -40,6 +40,13 @@ def _input(rank: int, numel: int, dtype, salt: int = 0) -> torch.Tensor:
 
 
 def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
+    # The statistics name the compressor as a spec that makes it again, given by name too,
+    # dense ("none"), asynchronously, and its options aside from the defaults.
+    x = _input(rank, 1000, torch.float32)
+    for given, named in (("none", "none"), ("int8", "int8"), ("topk@0.05", "topk:ratio=0.05")):
+        assert gradcomp.all_reduce(x.clone(), given).compressor == named
+    work = gradcomp.all_reduce(x.clone(), "int4", async_op=True, block=128)
+    assert work.get_future().wait().compressor == "int4:block=128"
     for name in gradcomp.COMPRESSORS:
         compressor = gradcomp.get_compressor(name)
         for algorithm in valid_algorithms(compressor):
@@ -58,6 +65,7 @@ def _every_compressor_and_algorithm(rank: int, world_size: int) -> None:
                         assert error <= bound, f"{where}: relative error {error:.4f} > {bound}"
                     dense_bytes = 2 * (world_size - 1) * numel * x.element_size() // world_size
                     assert stats.algorithm == algorithm and stats.dense_bytes == dense_bytes
+                    assert stats.compressor == name, where  # a Compressor object: its name
                     assert stats.bytes_sent > 0, where
                     if rank == 0:  # the cost model counts rank 0's bytes
                         model = cost_model.cost(compressor, numel, world_size, algorithm, dtype)
