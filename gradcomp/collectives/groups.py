@@ -13,6 +13,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.waiting import TimedOut, seconds, wait_for_ranks
+
 logger = logging.getLogger(__name__)
 
 # The most jobs paused at once, their exchanges in flight (each holds its gathered
@@ -20,14 +22,21 @@ logger = logging.getLogger(__name__)
 # small bucket's codec time: one job in flight left the worker waiting on it.
 
 
-def clone_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A private group of ``group``'s ranks with its backends, timeout and options."""
-    return new_group_like(group, dist.get_process_group_ranks(group))
+def clone_group(group: dist.ProcessGroup, what: str | None = None) -> dist.ProcessGroup:
+    """A private group of ``group``'s ranks with its backends, timeout and options;
+    ``what``: the call it is made for, as waits name it (:func:`new_group_like`)."""
+    return new_group_like(group, dist.get_process_group_ranks(group), what)
 
 
-def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
+def new_group_like(group: dist.ProcessGroup, ranks: list[int], what: str | None = None) -> dist.ProcessGroup:
     """A group of ``ranks`` (global ranks, a subset of ``group``'s) with
     ``group``'s backends, timeout and options.
+
+    Its ranks first meet in the store (:func:`~gradcomp.collectives.waiting.wait_for_ranks`),
+    which warns while some have not come, naming them and ``what`` the group is made for
+    (the call that makes it); at the group's timeout, ``RuntimeError`` naming them. Only
+    then do they connect: a backend's own rendezvous waits the whole timeout in silence
+    and fails with its store key.
 
     Created by the given ranks only (``use_local_synchronization``): every
     rank must create the groups it belongs to in the same order. torch names
@@ -51,14 +60,35 @@ def new_group_like(group: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGr
     default = dist.distributed_c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
     lift = bound is not None and len(ranks) < dist.get_world_size()
-    with _GROUPS_LOCK, _named(ranks):
-        if lift:
-            default.bound_device_id = None
-        try:
-            return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
-        finally:
+    making = f"the creation of gradcomp's process group of ranks {ranks} for {what or 'its first call on them'}"
+    with _GROUPS_LOCK:
+        name = _next_name(ranks)
+        _meet(name, ranks, making, timeout or dist.constants.default_pg_timeout)
+        with _named(ranks, name):
             if lift:
-                default.bound_device_id = bound
+                default.bound_device_id = None
+            try:
+                return dist.new_group(ranks=ranks, use_local_synchronization=True, **options)
+            except dist.DistError as error:  # a rank left between meeting and connecting
+                raise RuntimeError(f"gradcomp: {making} failed: {error}") from error
+            finally:
+                if lift:
+                    default.bound_device_id = bound
+
+
+def _meet(name: str, ranks: list[int], making: str, timeout: datetime.timedelta) -> None:
+    """Every rank of ``ranks`` at the creation of group ``name``, or ``RuntimeError``
+    naming those that did not come within ``timeout``."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"gradcomp/groups/{name}"
+    store.set(f"{prefix}/{dist.get_rank()}", b"1")
+    missing = wait_for_ranks(store, {rank: f"{prefix}/{rank}" for rank in ranks}, making, timeout)
+    if missing:
+        raise TimedOut(
+            f"gradcomp: {making}: ranks {missing} did not come within the group's timeout "
+            f"({seconds(timeout.total_seconds())}): every rank of a group makes gradcomp's calls on it, "
+            "in the same order (a call under `if rank == 0:` leaves the others out)"
+        )
 
 
 # ncclConfig_t fields (as torch binds them) a new communicator takes from its
@@ -99,22 +129,28 @@ _GROUPS_LOCK = threading.Lock()
 _GROUPS_MADE: dict[tuple[int, ...], int] = {}  # ranks -> how many gradcomp groups of them this process made
 
 
-@contextlib.contextmanager
-def _named(ranks: list[int]):
-    """While creating gradcomp's group of ``ranks``: torch names it
-    ``gradcomp-<ranks>-<n>``, the n-th such group, a name every member agrees on."""
-    c10d = dist.distributed_c10d
-    original = getattr(c10d, "_process_group_name", None)
+def _next_name(ranks: list[int]) -> str:
+    """(holding ``_GROUPS_LOCK``) The name of the next gradcomp group of ``ranks``:
+    ``gradcomp-<digest>`` of the ranks and how many such groups this process made
+    before, a name every member agrees on."""
     number = _GROUPS_MADE.get(tuple(ranks), 0)
     _GROUPS_MADE[tuple(ranks)] = number + 1
+    digest = hashlib.sha1(f"{sorted(ranks)}/{number}".encode(), usedforsecurity=False).hexdigest()
+    return f"gradcomp-{digest}"
+
+
+@contextlib.contextmanager
+def _named(ranks: list[int], group_name: str):
+    """While creating gradcomp's group of ``ranks``: torch names it ``group_name``."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
     if original is None:  # a torch that names groups otherwise: nothing to fix
         yield
         return
-    digest = hashlib.sha1(f"{sorted(ranks)}/{number}".encode(), usedforsecurity=False).hexdigest()
 
     def name(of_ranks, use_hashed_name):
         if use_hashed_name and sorted(of_ranks) == sorted(ranks):
-            return f"gradcomp-{digest}"
+            return group_name
         return original(of_ranks, use_hashed_name)
 
     c10d._process_group_name = name

@@ -5,6 +5,7 @@ order on every rank (:class:`~gradcomp.collectives.nodes.Hierarchy`)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from gradcomp.collectives.groups import new_group_like
 from gradcomp.collectives.nodes import Hierarchy, Level
+from gradcomp.collectives.waiting import TimedOut, seconds, wait_for_ranks
 from gradcomp.collectives.worker import CollectiveQueue
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,9 @@ def nodes_for_auto(q: CollectiveQueue, node_size: int | None) -> Hierarchy | Non
 
 def _views(q: CollectiveQueue, node_size: int | None) -> list[dict]:
     """Every rank's view of the layout (its node_size, LOCAL_WORLD_SIZE and
-    host), exchanged through the store: no collective on a group the worker uses."""
+    host), exchanged through the store: no collective on a group the worker uses.
+    A wait for ranks that do not come warns, naming them, and raises at the group's
+    timeout."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     mine = {
         "node_size": node_size,
@@ -82,7 +86,17 @@ def _views(q: CollectiveQueue, node_size: int | None) -> list[dict]:
     prefix = f"gradcomp/hierarchy/{q.group.group_name}/{q.layout_exchanges}"
     q.layout_exchanges += 1
     store.set(f"{prefix}/{q.rank}", json.dumps(mine))
-    return [json.loads(store.get(f"{prefix}/{r}")) for r in range(q.world_size)]
+    keys = {rank: f"{prefix}/{place}" for place, rank in enumerate(q.ranks)}
+    what = f"the exchange of node layouts for the hierarchical all-reduce on group {q.ranks}"
+    timeout = datetime.timedelta(seconds=q.timeout_seconds)
+    missing = wait_for_ranks(store, keys, what, timeout)
+    if missing:
+        raise TimedOut(
+            f"gradcomp: {what}: ranks {missing} did not come within the group's timeout "
+            f"({seconds(q.timeout_seconds)}): every rank of the group makes the same hierarchical calls, "
+            "in the same order"
+        )
+    return [json.loads(store.get(key)) for key in keys.values()]
 
 
 def _node_ids(q: CollectiveQueue, views: list[dict]) -> tuple[list, str]:

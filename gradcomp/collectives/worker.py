@@ -41,12 +41,14 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
 from gradcomp import streams
+from gradcomp.collectives import waiting
 from gradcomp.collectives.groups import clone_group, group_timeout
 from gradcomp.collectives.stats import profiled
 
@@ -85,12 +87,13 @@ class CollectiveQueue:
     :func:`release_queues` starts afresh.
     """
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = clone_group(group)
+    def __init__(self, group: dist.ProcessGroup, what: str | None = None):
+        self.group = clone_group(group, what)
         timeout = group_timeout(group) or dist.constants.default_pg_timeout
         self.timeout_seconds = timeout.total_seconds()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.ranks = dist.get_process_group_ranks(self.group)
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}  # node_size setting -> Hierarchy (collectives.hierarchical)
         self.lanes: dict = {}  # plan -> row width (collectives.allgather's one-row lane)
@@ -106,8 +109,13 @@ class CollectiveQueue:
         self._completed = 0  # jobs whose future is set (pending: submitted - completed)
         self._progress = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The job the worker runs now and since when (None: none), which the watch reads.
+        self._running: tuple[_Started, float] | None = None
+        # The watch's last finding (a job's number, the ranks behind it), for that job's error.
+        self.behind: tuple[int, dict[int, int | None]] | None = None
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
+        self._watch = _Watch(self)
 
     def submit(
         self,
@@ -157,7 +165,7 @@ class CollectiveQueue:
             if not self._progress.wait_for(lambda: self._started >= target, timeout=self.timeout_seconds):
                 raise RuntimeError(
                     f"gradcomp: the collective worker did not issue the jobs before this one within "
-                    f"{self.timeout_seconds:.0f} s"
+                    f"{self.timeout_seconds:.0f} s{self._stuck_in()}"
                 )
 
     @property
@@ -171,12 +179,24 @@ class CollectiveQueue:
             raise RuntimeError(
                 f"gradcomp: {self.pending} collectives of this group still pending after "
                 f"{self.timeout_seconds:.0f} s (the group's timeout): a peer stalled or left"
+                f"{self._stuck_in()}"
             )
 
+    def _stuck_in(self) -> str:
+        """Where the worker waits now, for an error's end: ``"; the worker waits in ..."``."""
+        running = self._running
+        return "" if running is None else f"; the worker waits in {self.describe(running[0])}"
+
+    def describe(self, job: _Started) -> str:
+        """``job`` as waits name it: ``"gradcomp.all_reduce of 1,048,576 float32 elements, job 7
+        of group [0, 1]"``."""
+        return f"{waiting.describe_call(job.name, job.writes)}, job {job.number} of group {self.ranks}"
+
     def close(self) -> None:
-        """Stop the worker after the jobs already submitted."""
+        """Stop the worker after the jobs already submitted, and its watch."""
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        self._watch.stop()
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # this thread's only: no job records a graph
@@ -210,9 +230,11 @@ class CollectiveQueue:
 
     def _start(self, job: _Started) -> None:
         """Run ``job`` up to its pause or to its end."""
+        self._running = (job, time.monotonic())
         try:
             self._start_job(job)
         finally:
+            self._running = None
             with self._progress:
                 self._started = job.number
                 self._progress.notify_all()
@@ -231,7 +253,26 @@ class CollectiveQueue:
             ):
                 job.result = _first_step(job)
         except BaseException as error:  # noqa: BLE001 - handed to the waiter
-            self.failure = job.error = error
+            self.failure = job.error = self._named(job, error)
+
+    def _named(self, job: _Started, error: BaseException) -> BaseException:
+        """``error`` as ``job``'s waiters get it: a collective's timeout as gradcomp's own
+        error, naming the job and the ranks that had not reached it (as far as the watch
+        learnt before: nothing is asked of the store here, whose host may be the rank
+        that stalled); any other error as it is."""
+        if isinstance(error, waiting.TimedOut) or not waiting.is_timeout(error):
+            return error
+        number, behind = self.behind or (None, None)
+        missing = "a peer skipped the call, stalled or left"
+        if number == job.number and behind:
+            missing = waiting.describe_behind(behind)
+        named = waiting.TimedOut(
+            f"gradcomp: {self.describe(job)} did not complete within the group's timeout "
+            f"({waiting.seconds(self.timeout_seconds)}): {missing}. Every rank makes gradcomp's calls "
+            f"on a group in the same order. ({error})"
+        )
+        named.__cause__ = error
+        return named
 
     def _finish(self, job: _Started) -> None:
         """Run a paused job to its end; complete its future."""
@@ -240,6 +281,7 @@ class CollectiveQueue:
             # between ranks: fail it as every rank fails the jobs behind a failure.
             job.error = self._earlier_failure()
         elif job.steps is not None:
+            self._running = (job, time.monotonic())
             try:
                 if _bare(job.device):
                     job.result = drive(job.steps)
@@ -247,7 +289,9 @@ class CollectiveQueue:
                     with self.streams.running(job.device), profiled(job.name):
                         job.result = drive(job.steps)
             except BaseException as error:  # noqa: BLE001 - handed to the waiter
-                self.failure = job.error = error
+                self.failure = job.error = self._named(job, error)
+            finally:
+                self._running = None
         job.steps = None
         # The future's callbacks run here, the caller's ``then`` among them: with grad mode
         # as on any thread, not the worker's.
@@ -265,6 +309,68 @@ class CollectiveQueue:
             with self._progress:
                 self._completed += 1
                 self._progress.notify_all()
+
+
+class _Watch:
+    """A queue's watch: a daemon thread that warns while the worker waits in one job.
+
+    The worker says which job it runs and since when (``CollectiveQueue._running``: a
+    tuple set and cleared per job, nothing more on a job that does not wait). Once a job
+    has waited :func:`~gradcomp.collectives.waiting.posting_time`, the watch posts its
+    number in the store; at :func:`~gradcomp.collectives.waiting.first_warning` and
+    every :data:`~gradcomp.collectives.waiting.WARN_EVERY_SECONDS` after, it reads the
+    peers' numbers and warns, naming the job and the ranks that have not reached it.
+    Stopped with its queue (:meth:`CollectiveQueue.close`)."""
+
+    def __init__(self, q: CollectiveQueue):
+        self.q = q
+        self.stopped = threading.Event()
+        self.progress = waiting.Progress(
+            dist.distributed_c10d._get_default_store(), q.group.group_name, q.ranks, q.rank
+        )
+        self.thread = threading.Thread(target=self._run, name="gradcomp-watch", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _period(self) -> float:
+        """Seconds between looks at the worker: a fraction of the first warning's delay."""
+        return min(max(waiting.first_warning(self.q.timeout_seconds) / 8, 0.01), 5.0)
+
+    def _run(self) -> None:
+        watched, posted, warned = None, False, 0
+        while not self.stopped.wait(self._period()):
+            running = self.q._running
+            if running is None:
+                continue
+            if running is not watched:
+                watched, posted, warned = running, False, 0
+            job, since = running
+            waited = time.monotonic() - since
+            try:
+                if not posted and waited >= waiting.posting_time(self.q.timeout_seconds):
+                    self.progress.post(job.number)
+                    posted = True
+                if waiting.warning_due(waited, warned, self.q.timeout_seconds):
+                    warned += 1
+                    self._warn(job, waited)
+            except (RuntimeError, ValueError) as error:  # the store unreachable: said, the watch goes on
+                logger.warning(
+                    "gradcomp: %s has waited %s (%s)", self.q.describe(job), waiting.seconds(waited), error
+                )
+
+    def _warn(self, job: _Started, waited: float) -> None:
+        behind = self.progress.behind(job.number)
+        self.q.behind = (job.number, behind)
+        logger.warning(
+            "gradcomp: rank %d has waited %s in %s: %s; it raises at the group's timeout (%s)",
+            self.q.ranks[self.q.rank],
+            waiting.seconds(waited),
+            self.q.describe(job),
+            waiting.describe_behind(behind) if behind else "every rank says it is in it too (one may be slow in it)",
+            waiting.seconds(self.q.timeout_seconds),
+        )
 
 
 def _bare(device: torch.device) -> bool:
@@ -349,11 +455,13 @@ def release_queues() -> None:
 atexit.register(release_queues)
 
 
-def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
+def queue_for(group: dist.ProcessGroup | None, what: str | None = None) -> CollectiveQueue:
     """The collective queue of ``group`` (WORLD when None), created on first use.
 
     Creating it is a collective: every rank of the group must reach the first
-    gradcomp collective on it, as with any collective.
+    gradcomp collective on it, as with any collective. ``what``: the call that asks
+    (:func:`~gradcomp.collectives.waiting.describe_call`), named by the warnings and the
+    error of a creation that waits for ranks that do not come.
     """
     existing = _QUEUES.get(group)  # every bucket asks: no lock once it exists
     if existing is not None and dist.is_initialized():
@@ -367,7 +475,7 @@ def queue_for(group: dist.ProcessGroup | None) -> CollectiveQueue:
     with _QUEUES_LOCK:
         existing = _QUEUES.get(group)
         if existing is None:
-            existing = _QUEUES[group] = CollectiveQueue(group)
+            existing = _QUEUES[group] = CollectiveQueue(group, what)
         return existing
 
 
