@@ -60,7 +60,8 @@ def new_group_like(group: dist.ProcessGroup, ranks: list[int], what: str | None 
     default = dist.distributed_c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
     lift = bound is not None and len(ranks) < dist.get_world_size()
-    making = f"the creation of gradcomp's process group of ranks {ranks} for {what or 'its first call on them'}"
+    call = what or "its first call on them"
+    making = f"the creation of gradcomp's process group of ranks {ranks} for {call}"
     with _GROUPS_LOCK:
         name = _next_name(ranks)
         _meet(name, ranks, making, timeout or dist.constants.default_pg_timeout)

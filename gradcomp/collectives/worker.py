@@ -368,7 +368,7 @@ class _Watch:
             self.q.ranks[self.q.rank],
             waiting.seconds(waited),
             self.q.describe(job),
-            waiting.describe_behind(behind) if behind else "every rank says it is in it too (one may be slow in it)",
+            waiting.describe_behind(behind) if behind else "every rank says it is in it (one may be slow)",
             waiting.seconds(self.q.timeout_seconds),
         )
 
