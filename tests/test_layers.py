@@ -1,10 +1,12 @@
 """The layers docs/design.md draws, enforced: no import cycle among gradcomp's
 modules, and every import points into its own layer or one below.
 
-Static: every ``gradcomp/**/*.py`` (the Triton kernels in ``gradcomp/kernels/``
-included) is parsed with :mod:`ast`, and every import of a gradcomp module
-counts wherever it stands: at module level, inside a function (a call-time
-import is a dependency all the same) or under ``TYPE_CHECKING``.
+Static: every ``gradcomp/**/*.py`` and every module of a folder that
+pyproject.toml's ``[tool.setuptools.package-dir]`` installs inside gradcomp (the
+Triton kernels: ``kernels/`` at the top level, installed as ``gradcomp.kernels``)
+is parsed with :mod:`ast`, and every import of a gradcomp module counts
+wherever it stands: at module level, inside a function (a call-time import is a
+dependency all the same) or under ``TYPE_CHECKING``.
 Imports of a computed name (``importlib.import_module(name)``) are not seen.
 """
 
@@ -14,6 +16,7 @@ import ast
 import dataclasses
 import pathlib
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,12 +66,22 @@ class Import:
     found: bool = True
 
 
+def package_dirs(root: pathlib.Path) -> dict[str, str]:
+    """``[tool.setuptools.package-dir]`` of the tree's pyproject.toml: package -> folder."""
+    path = root / "pyproject.toml"
+    if not path.exists():
+        return {}
+    with open(path, "rb") as file:
+        return tomllib.load(file).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+
+
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Every module of the tree by its import name."""
+    """Every module of the tree by its import name, where the package-dir mapping puts it."""
     found = {}
-    for path in sorted((root / "gradcomp").rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package, folder in {"gradcomp": "gradcomp", **package_dirs(root)}.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = [*package.split("."), *path.relative_to(root / folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -230,11 +243,11 @@ def test_kernels_import_triton_and_torch_only():
             else:
                 continue  # relative: the kernels' own modules
             wrong += [
-                f"{path.name}:{node.lineno}: {top}"
+                f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {top}"
                 for top in tops
                 if top not in KERNELS_MAY_IMPORT and top not in sys.stdlib_module_names
             ]
-    assert not wrong, f"gradcomp/kernels/ imports more than triton and torch: {wrong}"
+    assert not wrong, f"the kernels import more than triton and torch: {wrong}"
 
 
 def test_every_known_exception_still_occurs():
@@ -269,8 +282,10 @@ def test_the_checks_find_a_planted_cycle_an_upward_import_and_a_missing_module(t
             "gradcomp/ops/__init__.py": "def g():\n    from gradcomp.planner.model import x\n",
             "gradcomp/planner/__init__.py": "from gradcomp.ops import g\n",
             "gradcomp/planner/model.py": "from gradcomp.collectives.gone import Job\n",
-            "gradcomp/kernels/__init__.py": "from .common import k\n",
-            "gradcomp/kernels/common.py": "import triton\n",
+            # The kernels where the card puts them, installed inside gradcomp.
+            "pyproject.toml": '[tool.setuptools.package-dir]\n"gradcomp.kernels" = "kernels"\n',
+            "kernels/__init__.py": "from .common import k\n",
+            "kernels/common.py": "import triton\n",
         },
     )
     edges = imports(root)
@@ -290,11 +305,8 @@ def test_the_checks_find_a_planted_cycle_an_upward_import_and_a_missing_module(t
 
 def test_every_package_of_the_tree_is_installed():
     # pyproject.toml lists the packages: one missing from it is left out of a wheel.
-    import tomllib
-
     with open(ROOT / "pyproject.toml", "rb") as file:
         listed = set(tomllib.load(file)["tool"]["setuptools"]["packages"])
-    inits = (ROOT / "gradcomp").rglob("__init__.py")
-    tree = {".".join(path.parent.relative_to(ROOT).parts) for path in inits}
+    tree = {name for name, path in modules(ROOT).items() if path.name == "__init__.py"}
     assert sorted(tree - listed) == [], "packages missing from pyproject.toml"
     assert sorted(listed - tree) == [], "pyproject.toml lists what is not a package"
