@@ -19,7 +19,7 @@ BACKENDS = ("torch", "cpu", "triton", "cuda")
 # Fastest first; torch, the reference, is the fallback that always exists.
 BACKEND_PREFERENCE = ("cuda", "triton", "cpu", "torch")
 # Ops whose fastest backend is another: Top-K's Triton sampling path passes once over
-# the tensor (12 bytes an fp32 element with its residual, gradcomp/kernels/topk.py), the CUDA
+# the tensor (12 bytes an fp32 element with its residual, kernels/topk.py), the CUDA
 # radix select four times (36: three histogram passes and a compaction, csrc/topk.cu);
 # the radix select stays one GRADCOMP_BACKEND=cuda away, and bench/kernel_speed.py times both.
 OP_PREFERENCE = {"topk_select": ("triton", "cuda", "cpu", "torch")}

@@ -124,7 +124,7 @@ class _FullSizeOps(TorchDispatchMode):
 
 
 def test_topk_passes_once_over_the_tensor_and_launches_as_many_kernels_at_any_size():
-    """The sampling Top-K (gradcomp/kernels/topk.py): of its kernels only the mark kernel reads the
+    """The sampling Top-K (kernels/topk.py): of its kernels only the mark kernel reads the
     whole tensor (the gather reads the candidates' lanes), every aten op that takes a
     tensor of its size gathers the sample or adds back at the candidates, nothing
     waits on the device, and the launches do not grow with the size."""
