@@ -111,6 +111,9 @@ class BucketPlans:
         self.hooked_step = -1
         self.baseline: float | None = None  # observed/predicted in the first window after the plan
         self.runner_up: list | None = None  # the last choice's runner-up plan (worker)
+        # Why each bucket goes dense where a plan has it so (worker, at each plan; the log's)
+        self.dense_reasons: list[str] = []
+        self.next_cause = "saved with the checkpoint"  # why next_plan comes (the log's)
 
     # ------------------------------------------------------------------ hook
     def before_bucket(self, q, buffer: torch.Tensor, index: int, step: int) -> list | None:
@@ -182,7 +185,8 @@ class BucketPlans:
     def _time_turn(self, q, device: torch.device, step: int, since: int) -> None:
         seconds = turn_seconds(self.step_starts, self.adopted_at, step)
         if since >= self.options.trial_steps and seconds is not None:
-            self.pending = q.submit(functools.partial(self.judge, q, seconds), device, name="gradcomp.trial")
+            judge = functools.partial(self.judge, q, seconds, step)
+            self.pending = q.submit(judge, device, name="gradcomp.trial")
 
     def measurement_due(self, step: int, device: torch.device):
         """(hook, a step's last bucket) What measures at the end of ``step`` on a GPU: the first
@@ -218,15 +222,9 @@ class BucketPlans:
     def switch(self, step: int) -> None:
         """(hook, first bucket of ``step``) Adopt the plan the last check or turn made."""
         plan, self.next_plan = self.next_plan, None
-        changed = [
-            f"bucket {i}: {old.compressor} {old.how} -> {new.compressor} {new.how}"
-            for i, (old, new) in enumerate(zip(self.plan, plan, strict=True))
-            if (old.compressor, old.how) != (new.compressor, new.how)
-        ]
-        if changed:
-            logger.info("gradcomp auto plan changes from step %d: %s", step, "; ".join(changed))
         self.adopt(plan)
         self.adopted_at, self.baseline = step, None
+        self.log_plan(step, self.next_cause)
 
     def observe(self, step: int) -> float:
         """(hook, at a check) How far this rank's communication drifted from the plan, as a fraction
@@ -294,7 +292,7 @@ class BucketPlans:
         self.offsets = None
         self.adopt(self._plan_for(q, sizes, (first, marks)))
         self.adopted_at = self.planned_at + 1  # the planning step's CPU dense buckets went natively
-        logger.info("gradcomp auto plan: %s", described(self.plan))
+        self.log_plan(self.adopted_at, "first plan")
         self._begin_trial(self.plan)
 
     def _plan_for(self, q, sizes: list[int], marks: tuple | None = None) -> list:
@@ -302,6 +300,7 @@ class BucketPlans:
         ``marks``: the hook's (first, per bucket) of the step before, to find the offsets."""
         if q.world_size == 1:  # nothing to send: nothing to compress
             self.runner_up = None
+            self.dense_reasons = ["one rank, nothing to send"] * len(sizes)
             return planner.dense_plan(sizes)
         options = self.options
         # Measured where the buckets live: the codecs at their sizes, the link up to 16 MB.
@@ -324,6 +323,7 @@ class BucketPlans:
             p if n >= self.min_numel else planner.predict("none", n, q.world_size, profile, dtype=dtype)
             for n, p, dtype in zip(sizes, plan, dtypes, strict=True)
         ]
+        self.dense_reasons = self._dense_reasons(sizes, q.world_size, profile, dtypes)
         self.runner_up = None
         if options.trial_steps:
             other = planner.runner_up(sizes, q.world_size, profile, plan, options.allow, dtypes=dtypes)
@@ -348,25 +348,35 @@ class BucketPlans:
                 planner.MARGIN * 100,
             )
 
-    def judge(self, q, seconds: float) -> None:
-        """(worker, the last step of a plan's turn) Every rank's time of its steps combined (the
-        slowest); the next plan to try, or the faster kept (adopted from the next step)."""
+    def judge(self, q, seconds: float, step: int) -> None:
+        """(worker, the last step of a plan's turn, ``step``) Every rank's time of its steps
+        combined (the slowest); the next plan to try, or the faster kept (adopted from the
+        next step)."""
         (worst,) = ranks_max(q, [seconds])
         self.trial.seconds.append(worst)
         self.next_plan = self.trial.next_turn()
         if self.next_plan is not None:
+            turn = len(self.trial.seconds)
+            whose = "the runner-up's" if TRIAL_TURNS[turn] else "the plan's"
+            self.next_cause = f"trial, {whose} turn ({turn + 1} of {len(TRIAL_TURNS)})"
             return
         outcome, plans = self.trial.outcome(), self.trial.plans
         self.trial, self.phase = None, Phase.RUNNING
         self.trials.append(outcome)
-        best = outcome["kept"]
-        logger.info(
-            "gradcomp auto keeps %s: %s ms a step",
-            ", ".join(outcome["plans"][best]),
-            " against ".join(f"{t:.4g}" for t in outcome["step_ms"]),
-        )
+        best, ms = outcome["kept"], outcome["step_ms"]
+        other = 1 - best
+        for i, (kept, lost) in enumerate(zip(plans[best], plans[other], strict=True)):
+            if kept.compressor == "none" and lost.compressor != "none" and i < len(self.dense_reasons):
+                self.dense_reasons[i] = (
+                    f"trial kept dense, {ms[best]:.4g} ms a step against {ms[other]:.4g} ms "
+                    f"with {lost.compressor} {lost.how}"
+                )
+        verdict = "the plan" if best == 0 else "the runner-up"
+        cause = f"trial kept {verdict}, {ms[best]:.4g} ms a step against {ms[other]:.4g} ms"
         if best != TRIAL_TURNS[-1]:
-            self.next_plan = plans[best]
+            self.next_plan, self.next_cause = plans[best], cause
+        else:  # in force already: said now
+            self.log_plan(step, cause)
 
     def check(self, q, deviation: float, forced: bool) -> None:
         """(worker) Every rank's drift and requests combined; a new plan when due, for the next step."""
@@ -386,8 +396,57 @@ class BucketPlans:
         """(worker) Measure and choose afresh for the plan's buckets; adopted from the next step."""
         self.remeasure_due = None
         self.next_plan = self._plan_for(q, [p.numel for p in self.plan])
-        logger.info("gradcomp auto re-plans (%s): %s", why, described(self.next_plan))
+        self.next_cause = f"re-plan, {why}"
         self._begin_trial(self.next_plan)
+
+    def _dense_reasons(self, sizes: list[int], world_size: int, profile, dtypes: list) -> list[str]:
+        """(worker) Why each bucket goes dense where a plan has it so: below ``min_numel``,
+        or what the model predicted of dense and of the fastest compressed choice."""
+        pairs = planner.routes(self.options.allow, world_size, profile.nodes)
+        reasons, said = [], {}  # buckets are mostly of one size: weigh each size once
+        for numel, dtype in zip(sizes, dtypes, strict=True):
+            if numel < self.min_numel:
+                reasons.append(f"below min_numel={self.min_numel:,}")
+                continue
+            if (numel, dtype) not in said:
+                predicted = [
+                    planner.predict(c, numel, world_size, profile, a, inter, dtype)
+                    for c, a, inter in pairs
+                    if planner.saves(planner.from_spec(c), dtype)
+                ]
+                dense = next(p for p in predicted if p.compressor == "none")
+                other = [p for p in predicted if p.compressor != "none"]
+                said[numel, dtype] = _why_dense(dense, min(other, key=lambda p: p.seconds, default=None))
+            reasons.append(said[numel, dtype])
+        return reasons
+
+    def log_plan(self, step: int, cause: str) -> None:
+        """Log the plan in force from ``step`` (one line, at INFO): ``cause``, its buckets
+        grouped by what they go through, and why each dense one is."""
+        logger.info("gradcomp auto plan from step %d (%s): %s", step, cause, self.summary())
+        logger.debug("gradcomp auto plan in detail: %s", described(self.plan))
+
+    def summary(self) -> str:
+        """The plan in a line: how many buckets it compresses, the bytes it sends a step, and
+        its buckets grouped by choice (a dense one with its reason)."""
+        trial = self.trial
+        tried = trial is not None and picks(self.plan) == picks(trial.plans[1])  # the runner-up's turn
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(self.plan):
+            choice = f"{p.compressor} {p.how}"
+            if p.compressor == "none":
+                if tried and trial.plans[0][i].compressor != "none":
+                    reason = "the runner-up's choice, on trial"
+                elif i < len(self.dense_reasons):
+                    reason = self.dense_reasons[i]
+                else:
+                    reason = "planned before a restart"
+                choice = f"{choice}, {reason}"
+            groups.setdefault(choice, []).append(i)
+        compressed = sum(p.compressor != "none" for p in self.plan)
+        buckets = "; ".join(f"{_bucket_list(indices)}: {choice}" for choice, indices in groups.items())
+        sent = sum(p.bytes_sent for p in self.plan)
+        return f"{compressed} of {len(self.plan)} buckets compressed, {sent:,} bytes a step; {buckets}"
 
     def adopt(self, plan: list) -> None:
         """Make ``plan`` the plan (its compressors built once)."""
@@ -405,3 +464,30 @@ class BucketPlans:
         # and of when steps began: host clock readings mean nothing elsewhere.
         self.wait()
         return self.__dict__ | {"ready": None, "step_starts": {}}
+
+
+def _why_dense(dense, fastest) -> str:
+    """Why the model keeps a bucket dense, from its prediction ``dense`` and the fastest
+    compressed one (None: no candidate sends fewer bytes)."""
+    if fastest is None:
+        return "no candidate sends fewer bytes than dense"
+    ms = f"{dense.seconds * 1e3:.3g} ms"
+    theirs = f"{fastest.compressor} {fastest.how} {fastest.seconds * 1e3:.3g} ms"
+    if fastest.seconds >= dense.seconds:
+        return f"dense predicted fastest, {ms} against {theirs}"
+    if fastest.seconds > (1 - planner.MARGIN) * dense.seconds:
+        return f"dense predicted {ms} against {theirs}, less than the {planner.MARGIN:.0%} gain to compress"
+    # best_plan kept it dense for the overlap with the backward pass.
+    return (
+        f"reduced while the backward pass runs: {theirs} against dense {ms} would end the step little sooner"
+    )
+
+
+def _bucket_list(indices: list[int]) -> str:
+    """``"bucket 3"``, ``"buckets 0-2, 5"``."""
+    runs, start = [], indices[0]
+    for before, index in zip(indices, [*indices[1:], None], strict=True):
+        if index != before + 1:
+            runs.append(str(start) if start == before else f"{start}-{before}")
+            start = index
+    return f"bucket{'s' if len(indices) > 1 else ''} {', '.join(runs)}"
