@@ -172,7 +172,9 @@ def register(
     ``min_numel``, ``group``, ``algorithm``, ``node_size``,
     ``inter_algorithm``, ``residual``, ``measure_error``, ``history``;
     with ``"auto"``: ``allow``, ``profile``, ``check_every``, ``drift``,
-    ``replan_every``, ``trial_steps``) and the compressor's own (``ratio``, ``block``, ...).
+    ``replan_every``, ``trial_steps``) and the compressor's own (``ratio``, ``block``, ...);
+    one that neither takes raises ``ValueError`` naming the nearest of both and both lists,
+    before the model is looked at or any collective runs.
     The hook reduces over the group the model was built on
     (``DistributedDataParallel(..., process_group=...)``); a ``group`` given
     here must be that group.

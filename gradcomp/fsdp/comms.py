@@ -65,7 +65,9 @@ def register(
             traffic between nodes; it costs accuracy (see the README).
         options: :class:`FSDPOptions` (``warmup_steps``, ``min_numel``,
             ``algorithm``, ``residual``, ``scatter_algorithm``, ``node_size``,
-            ``intra``, ``history``) and the compressor's own.
+            ``intra``, ``history``) and the compressor's own; one that neither takes
+            raises ``ValueError`` naming the nearest of both and both lists, before any
+            collective.
 
     Every rank must call it with the same settings (ranks that differ raise).
     """
