@@ -19,7 +19,7 @@ Communication time = step time - the compute-only step time: compression on
 the CPU as well as the transfers. Bytes per step are what one rank sends
 under the ring model. After the first round's runs the ranks probe the link
 and the static runs' codecs, and the cost model predicts each static run's
-communication from that probe (``--no-probe``: the stored profile).
+communication from that probe.
 
 ``--rounds N`` runs the list N times and pools the timed steps; ``--interleave``
 steps the runs in turn, so that a machine whose speed drifts slows every run
@@ -45,12 +45,11 @@ import argparse
 import os
 import sys
 
-from lib.cluster import add_cluster_options, add_link_check_option, described_cluster
+from lib.cluster import add_cluster_options, add_link_check_option, describe_check
 from lib.ddp_report import (
     add_predictions,
     derive,
     describe,
-    describe_levels,
     describe_link,
     describe_model,
     describe_probe,
@@ -61,13 +60,12 @@ from lib.ddp_schedule import execute
 from lib.ddp_sweep import sweep
 from lib.ddp_training import LABELS
 from lib.link import add_bandwidth_option, maybe_run_limited
-from lib.machine import machine
 from lib.options import add_common_options
-from lib.results import Results, publish
+from lib.results import publish
+from lib.spawning import on_cluster
 from lib.specs import parse_run
 
 from gradcomp import planner
-from gradcomp.spawn import RanksFailed
 from gradcomp.units import parse_rate, split_list
 
 DEFAULT_COMPRESSORS = ("int8", "int4", "sign", "topk", "randk")
@@ -129,14 +127,6 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
     top.add_argument("--lr", type=float, default=0.03, help="SGD learning rate (default 0.03)")
     add_link_check_option(top, "64MiB")
-    top.add_argument(
-        "--no-probe",
-        dest="probe",
-        action="store_false",
-        help="leave out the probe of the link and the codecs after the first round's runs, which "
-        "the cost model's predictions for the static runs come from (then from the stored "
-        "profile, on this run's link)",
-    )
     top.add_argument(
         "--profile",
         metavar="DIR",
@@ -204,28 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     for position, run in enumerate(runs, 1):
         run["position"] = position
     settings = {**vars(args), "total_runs": len(runs)}
-    facts = machine(args.spawn, "gloo")
-    suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if cluster_mode else None
-    results = Results("ddp_train", facts, settings, args.out, suffix=suffix)
-    print(f"machine: {results.machine['machine']}", flush=True)
-    try:
-        with described_cluster(args, facts):
-            check, probed, records = execute(runs, settings)
-    except RanksFailed as error:
-        sys.stderr.write(f"ddp_train failed: {error}\n")
+    results, outcome = on_cluster("ddp_train", args, settings, lambda: execute(runs, settings))
+    if outcome is None:
         return 1
+    check, probed, records = outcome
     derive(records)
-    if probed is not None or not cluster_mode:  # the stored profile knows no emulated cluster
-        add_predictions(records, args.spawn, probed)
+    add_predictions(records, args.spawn, probed)
     print(describe(settings, records))
     if cluster_mode:
-        print(f"cluster: {facts['link']}")
-        print(describe_levels(check, parse_rate(args.inter_bandwidth)))
+        print(describe_check(check, results.machine, args.inter_bandwidth))
     else:
         print(describe_link(check))
     print(format_report(records))
-    if probed is not None:
-        print(describe_probe(planner.Profile.from_json(probed)))
+    print(describe_probe(planner.Profile.from_json(probed)))
     summary = describe_model(records)
     if summary:
         print(summary)

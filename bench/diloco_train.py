@@ -41,8 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 from lib import lm, spawning
-from lib.cluster import add_cluster_options, add_link_check_option, measure_levels
-from lib.ddp_report import describe_levels
+from lib.cluster import add_cluster_options, add_link_check_option, describe_check, measure_levels
 from lib.options import add_common_options
 from lib.plots import figure
 from lib.results import publish, ratio
@@ -51,7 +50,6 @@ from torch.nn.parallel import DistributedDataParallel
 import gradcomp
 from gradcomp.collectives import ring_all_reduce_bytes
 from gradcomp.tables import format_cell, format_table
-from gradcomp.units import parse_rate
 
 COMPUTE, DDP = "compute only", "DDP fp32"
 TARGET = 1.1  # the streamed run's step time, at most this times compute only's
@@ -94,14 +92,10 @@ class Training:
     def __init__(self, rank: int, world_size: int, run: tuple, settings: dict, data):
         self.rank, self.world_size, self.settings, self.data = rank, world_size, settings, data
         self.label, diloco = run
-        self.net = lm.GPT(
-            settings["width"], settings["layers"], settings["heads"], settings["context"], seed=0
-        )
+        self.net = lm.gpt(settings)
         self.parameters = sum(p.numel() for p in self.net.parameters())
         self.model = DistributedDataParallel(self.net) if self.label == DDP else self.net
-        self.optimizer = torch.optim.AdamW(
-            self.net.parameters(), lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95)
-        )
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=settings["lr"], **lm.ADAMW)
         self.outer = None
         if diloco is not None:
             self.outer = gradcomp.DiLoCo(
@@ -120,10 +114,8 @@ class Training:
         began = time.perf_counter()
         for _ in range(count):
             settings = self.settings
-            order = torch.Generator().manual_seed(1_000_003 * (self.done + 1) + self.rank)
-            starts = torch.randint(
-                0, len(self.data) - settings["context"] - 1, (settings["batch_size"],), generator=order
-            )
+            seed = 1_000_003 * (self.done + 1) + self.rank
+            starts = lm.random_starts(self.data, settings["batch_size"], settings["context"], seed)
             self.optimizer.zero_grad(set_to_none=True)
             lm.loss_of(self.model, *lm.windows(self.data, starts, settings["context"])).backward()
             self.optimizer.step()
@@ -153,9 +145,7 @@ class Training:
 
 def ranks(rank: int, world_size: int, settings: dict) -> dict:
     """Body of the spawned ranks: the link check on a cluster, then every round's runs in turn."""
-    check = None
-    if settings["nodes"]:
-        check = measure_levels(settings["link_check_bytes"], settings["ranks_per_node"])
+    check = measure_levels(settings)
     train, _, _ = lm.load_corpus(settings["corpus_bytes"])
     order = runs(settings)
     rounds = []
@@ -254,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     records = pool(outcome["rounds"])
     print(describe(settings, records, args.spawn))
     if outcome["link_check"]:
-        print(f"cluster: {results.machine['link']}")
-        print(describe_levels(outcome["link_check"], parse_rate(args.inter_bandwidth)))
+        print(describe_check(outcome["link_check"], results.machine, args.inter_bandwidth))
     print(format_report(records))
     line = verdict(records)
     print(line)

@@ -55,9 +55,9 @@ from lib.cluster import (
     NODE_INTERFACE,
     add_cluster_options,
     add_link_check_option,
+    describe_check,
     measure_levels,
 )
-from lib.ddp_report import describe_levels
 from lib.options import add_common_options
 from lib.plots import figure
 from lib.progress import Progress
@@ -67,7 +67,6 @@ from torch.distributed.fsdp import fully_shard
 
 import gradcomp
 from gradcomp.tables import format_cell, format_table
-from gradcomp.units import parse_rate
 
 # (label, compressor, layout, register's options): layout "hsdp" shards in a node and
 # all-reduces between nodes, "flat" shards over every rank, None is the compute-only run.
@@ -128,9 +127,7 @@ class Training:
     def __init__(self, rank: int, world_size: int, run: tuple, settings: dict, meshes: dict, data):
         self.rank, self.world_size, self.settings, self.data = rank, world_size, settings, data
         self.label, compressor, kind, options = run
-        self.model = lm.GPT(
-            settings["width"], settings["layers"], settings["heads"], settings["context"], seed=0
-        )
+        self.model = lm.gpt(settings)
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.state = None
         if kind is not None:
@@ -144,17 +141,14 @@ class Training:
                 self.model, compressor, replicate_group=replicas, warmup_steps=0, **options
             )
         self.flat = kind == "flat" and not options.get("scatter_algorithm")
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings["lr"], weight_decay=0.1, betas=(0.9, 0.95)
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings["lr"], **lm.ADAMW)
         self.done, self.seconds, self.inter_bytes, self.wire_bytes = 0, [], [], []
 
     def step(self) -> None:
         settings, world_size = self.settings, self.world_size
         batch = settings["batch_size"]
-        order = torch.Generator().manual_seed(1_000_003 * (self.done + 1))
-        starts = torch.randint(
-            0, len(self.data) - settings["context"] - 1, (batch * world_size,), generator=order
+        starts = lm.random_starts(
+            self.data, batch * world_size, settings["context"], 1_000_003 * (self.done + 1)
         )
         inputs, targets = lm.windows(self.data, starts[self.rank :: world_size], settings["context"])
         dist.barrier()
@@ -209,9 +203,7 @@ class Training:
 def ranks(rank: int, world_size: int, settings: dict) -> dict:
     """Body of the spawned ranks: the link check on a cluster, then every round's runs interleaved."""
     nodes, ranks_per_node = layout(settings)
-    check = None
-    if settings["nodes"]:
-        check = measure_levels(settings["link_check_bytes"], ranks_per_node)
+    check = measure_levels(settings)
     mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
     meshes = dict(
         hsdp=mesh["shard"],
@@ -366,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = derive(records)
     print(describe(settings, records))
     if outcome["link_check"]:
-        print(f"cluster: {results.machine['link']}")
-        print(describe_levels(outcome["link_check"], parse_rate(args.inter_bandwidth)))
+        print(describe_check(outcome["link_check"], results.machine, args.inter_bandwidth))
     print(format_report(records))
     print("\n".join(verdicts))
     publish(results, records, plot, extra=dict(link_check=outcome["link_check"], targets=verdicts))

@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import torch
 from lib import link, spawning
-from lib.lm import add_gpt_options, load_corpus
+from lib.lm import add_gpt_options, load_corpus, random_starts
 from lib.machine import machine
+from lib.options import add_common_options
 from lib.results import Results, publish, ratio
 
 DENSE = "dense"
@@ -44,9 +46,8 @@ def options() -> argparse.ArgumentParser:
         "--warmup-steps", type=int, default=20, help="steps left out of the timing (default 20)"
     )
     parser.add_argument("--rounds", type=int, default=2, help="times the list runs, in turn (default 2)")
-    parser.add_argument("--spawn", type=int, default=2, help="ranks (default 2)")
     add_gpt_options(parser, width=384, layers=6, heads=6)
-    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    add_common_options(parser)
     link.add_bandwidth_option(parser)
     return parser
 
@@ -58,8 +59,7 @@ class _Dataset(torch.utils.data.Dataset):
         if spread:  # fixed, evenly spaced: the held-out windows
             self.starts = torch.linspace(0, len(data) - context - 1, count).long()
         else:
-            generator = torch.Generator().manual_seed(seed)
-            self.starts = torch.randint(0, len(data) - context - 1, (count,), generator=generator)
+            self.starts = random_starts(data, count, context, seed)
         self.data, self.context = data, context
 
     def __len__(self) -> int:
@@ -136,14 +136,10 @@ def _train(rank: int, world: int, spec: str, settings: dict) -> dict:
 def main() -> int:
     args = options().parse_args()
     link.maybe_run_limited(args)
-    import tempfile
-
     runs = [DENSE, *args.compressors]
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "bandwidth")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "bandwidth", "progress")}
     facts = machine(args.spawn, "gloo")
-    results = Results(
-        "trainer_train", facts, settings, directory=args.out or os.path.join("bench", "results")
-    )
+    results = Results("trainer_train", facts, settings, directory=args.out)
     print(facts["machine"], "|", facts["link"])
     pooled: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="gradcomp-trainer-") as scratch:

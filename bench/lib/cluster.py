@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.limited_link import link_settings, token_bucket, unmet_requirement
-from gradcomp.units import argument, parse_size
+from gradcomp.units import argument, format_size, parse_rate, parse_size
 
 _CLONE_NEWNET = 0x40000000
 # The interface name of every node's link, in its own namespace.
@@ -202,10 +202,14 @@ def spawn_options() -> dict:
     return _current.spawn_options() if _current else {}
 
 
-def measure_levels(nbytes: int, ranks_per_node: int, iters: int = 3) -> dict:
-    """In the ranks of an emulated cluster: the median time of a dense
-    all-reduce of ``nbytes`` between two nodes (local rank 0 of nodes 0 and
-    1) and inside node 0, and the rate each rank sends at (ring model)."""
+def measure_levels(settings: dict, iters: int = 3) -> dict | None:
+    """In the ranks of the cluster ``settings`` (a script's options) emulate: the median
+    time of a dense all-reduce of ``--link-check-bytes`` between two nodes (local rank 0
+    of nodes 0 and 1) and inside node 0, and the rate each rank sends at (ring model).
+    None without ``--nodes``."""
+    if not settings["nodes"]:
+        return None
+    nbytes, ranks_per_node = settings["link_check_bytes"], settings["ranks_per_node"]
     rank = dist.get_rank()
     levels = {"inter": [0, ranks_per_node], "intra": list(range(ranks_per_node))}
     groups = {label: dist.new_group(members) for label, members in levels.items() if len(members) > 1}
@@ -231,3 +235,25 @@ def measure_levels(nbytes: int, ranks_per_node: int, iters: int = 3) -> dict:
     for part in everyone:
         merged.update({k: v for k, v in part.items() if k not in merged})
     return merged
+
+
+def describe_levels(check: dict, rate_bits: float) -> str:
+    """The emulation check in words: each level's rate against the limit."""
+    inter, limit = check["inter_gbit_per_s"], rate_bits / 1e9
+    verdict = "matches the limit" if 0.75 <= inter / limit <= 1.05 else "DOES NOT match the limit"
+    text = (
+        f"emulation check: dense all_reduce of {format_size(check['bytes'])} between two nodes "
+        f"{check['inter_seconds']:.3f} s = {inter:.2f} Gbit/s sent per rank, "
+        f"limit {limit:g} Gbit/s: {verdict}"
+    )
+    if "intra_gbit_per_s" in check:
+        intra = check["intra_gbit_per_s"]
+        seconds = check["intra_seconds"]
+        text += f"; inside a node {seconds:.3f} s = {intra:.2f} Gbit/s ({intra / limit:.1f}x the limit)"
+    return text
+
+
+def describe_check(check: dict, facts: dict, inter_bandwidth: str) -> str:
+    """Two lines: the cluster's links (from the results' machine ``facts``) and
+    :func:`describe_levels` of its emulation ``check`` against ``inter_bandwidth``."""
+    return f"cluster: {facts['link']}\n{describe_levels(check, parse_rate(inter_bandwidth))}"

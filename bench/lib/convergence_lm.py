@@ -254,7 +254,7 @@ def lm_train(rank: int, world_size: int, run: dict, settings: dict) -> dict:
     else:
         model = DistributedDataParallel(net, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25.0)
     outer_options = dict(run.get("diloco") or {})
-    hyper = dict(lr=outer_options.pop("lr", settings["lr"]), weight_decay=0.1, betas=(0.9, 0.95))
+    hyper = dict(lr=outer_options.pop("lr", settings["lr"]), **lm.ADAMW)
     if adam:  # the optimizer averages: no DDP
         options = dict(run["options"])
         algorithm = options.pop("algorithm", None)

@@ -262,19 +262,3 @@ def describe_probe(profile: planner.Profile) -> str:
     cpu = ", ".join(f"{name} {seconds * 1e9:.2g}" for name, seconds in per_byte.items() if seconds)
     text += f"; the transport's CPU ms a MB sent: {cpu}" if cpu else ""
     return text + (f"; codecs, encode/decode M elements/s: {codecs}" if codecs else "")
-
-
-def describe_levels(check: dict, rate_bits: float) -> str:
-    """The emulation check in words: each level's rate against the limit."""
-    inter, limit = check["inter_gbit_per_s"], rate_bits / 1e9
-    verdict = "matches the limit" if 0.75 <= inter / limit <= 1.05 else "DOES NOT match the limit"
-    text = (
-        f"emulation check: dense all_reduce of {format_size(check['bytes'])} between two nodes "
-        f"{check['inter_seconds']:.3f} s = {inter:.2f} Gbit/s sent per rank, "
-        f"limit {limit:g} Gbit/s: {verdict}"
-    )
-    if "intra_gbit_per_s" in check:
-        intra = check["intra_gbit_per_s"]
-        seconds = check["intra_seconds"]
-        text += f"; inside a node {seconds:.3f} s = {intra:.2f} Gbit/s ({intra / limit:.1f}x the limit)"
-    return text

@@ -80,16 +80,14 @@ def ranks(rank: int, world_size: int, runs: list[dict], settings: dict, link_che
     """Body of the spawned ranks: optionally the link check, then each run in turn, then
     with the link check (the first round) the probe the static runs' predictions come from."""
     check = None
-    if link_check and settings["nodes"]:
-        check = measure_levels(settings["link_check_bytes"], settings["ranks_per_node"])
-    elif link_check:
-        check = check_link(world_size, settings["link_check_bytes"])
+    if link_check:
+        check = measure_levels(settings) or check_link(world_size, settings["link_check_bytes"])
     if settings["interleave"]:
         records = train_interleaved(rank, world_size, runs, settings)
     else:
         records = [train(rank, world_size, run, settings) for run in runs]
     probed = None
-    if link_check and settings["probe"]:
+    if link_check:
         probed = probe_machine(runs, records, nodes=bool(settings["nodes"])).to_json()
     return dict(link_check=check, records=records, probe=probed)
 
@@ -111,8 +109,8 @@ def probe_machine(runs: list[dict], records: list[dict], nodes: bool = False) ->
 
 def execute(runs: list[dict], settings: dict) -> tuple[dict, dict | None, list[dict]]:
     """Run everything, ``--rounds`` times; PowerSGD in processes of its own (a Gloo
-    abort must not end the bench). Returns the link check, the probe (a profile's JSON;
-    None without one) and a record per run.
+    abort must not end the bench). Returns the link check, the probe (a profile's JSON)
+    and a record per run.
 
     A PowerSGD run that fails is reported as failed and replaced, from then
     on, by the same run with the whole model in one bucket. Misordered

@@ -48,6 +48,8 @@ def add_gpt_options(
 
 
 CORPORA = ("stdlib", "c10")
+# AdamW's settings besides the learning rate, GPT-style, in every script that trains the GPT.
+ADAMW = dict(weight_decay=0.1, betas=(0.9, 0.95))
 
 
 def corpus_files(corpus: str) -> tuple[str, list[str]]:
@@ -132,6 +134,18 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.embed.weight.t()  # tied output layer
+
+
+def gpt(settings: dict) -> GPT:
+    """The GPT that :func:`add_gpt_options`' ``settings`` describe, seeded 0."""
+    return GPT(settings["width"], settings["layers"], settings["heads"], settings["context"], seed=0)
+
+
+def random_starts(data: torch.Tensor, count: int, context: int, seed: int) -> torch.Tensor:
+    """``count`` starts of windows of ``context`` bytes in ``data``, drawn from a generator
+    seeded ``seed`` (the global RNG untouched)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, len(data) - context - 1, (count,), generator=generator)
 
 
 def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,16 +124,22 @@ def init_torchrun(timeout: float = 600.0) -> tuple[str, torch.device]:
     return backend, device
 
 
-def spawn_on_cluster(name: str, body: Callable, args, settings: dict):
-    """``body`` on ``args.spawn`` spawned Gloo ranks, in the cluster ``--nodes`` emulates
-    (if it does): ``(results, outcome)``, the outcome None (the failure written) if a rank failed."""
+def on_cluster(name: str, args, settings: dict, run: Callable):
+    """``run()`` in the cluster ``--nodes`` emulates (if it does), its machine written into
+    the results of benchmark ``name``: ``(results, outcome)``, the outcome None (the
+    failure written) if a rank failed."""
     facts = machine.machine(args.spawn, "gloo")
     suffix = f"-{args.nodes}x{args.ranks_per_node}-{args.inter_bandwidth}" if args.nodes else None
     found = results.Results(name, facts, settings, args.out, suffix=suffix)
     print(f"machine: {found.machine['machine']}", flush=True)
     try:
         with cluster.described_cluster(args, facts):
-            return found, spawn(body, args.spawn, settings, timeout=3600)
+            return found, run()
     except RanksFailed as error:
         sys.stderr.write(f"{name} failed: {error}\n")
         return found, None
+
+
+def spawn_on_cluster(name: str, body: Callable, args, settings: dict):
+    """:func:`on_cluster` of ``body`` on ``args.spawn`` spawned Gloo ranks."""
+    return on_cluster(name, args, settings, lambda: spawn(body, args.spawn, settings, timeout=3600))
