@@ -61,7 +61,6 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument(
         "--compressors",
-        "--compressor",
         nargs="+",
         default=list(DEFAULT_COMPRESSORS),
         metavar="NAME[:k=v,...]",

@@ -83,7 +83,6 @@ def main(argv=None) -> int:
         default=10.0,
         help="the process group's timeout in seconds, which a dead peer must be found within",
     )
-    parser.add_argument("--list", action="store_true", help="list the cases and stop")
     options.add_output_options(parser)
     args = parser.parse_args(argv)
     chosen = [
@@ -91,9 +90,9 @@ def main(argv=None) -> int:
         for name, case in all_cases(args.timeout)
         if args.cases is None or any(word in name for word in args.cases)
     ]
-    if args.list or not chosen:
-        print("\n".join(name for name, _ in all_cases(args.timeout)))
-        return 0 if args.list else 2
+    if not chosen:
+        print("no case matches; the cases:\n" + "\n".join(name for name, _ in all_cases(args.timeout)))
+        return 2
     facts = machine.machine(4, "gloo")  # the most ranks a case spawns
     print(f"machine: {facts['machine']}", flush=True)
     found = results.Results("faults", facts, vars(args), args.out, suffix="")

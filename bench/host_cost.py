@@ -51,8 +51,7 @@ Profile: then, on rank 0, ``--profile-steps`` more steps of each
 configuration under ``cProfile``, one profiler per thread (the training
 thread, which runs the hook, and gradcomp's worker thread, which runs each
 bucket's job and the futures' callbacks; started from a job the worker
-runs). Each profiler reads its thread's CPU time (``--profile-clock wall``:
-wall time); divided by the buckets profiled: each function's own and
+runs). Each profiler reads its thread's CPU time; divided by the buckets profiled: each function's own and
 cumulative microseconds per bucket, the top ``--top`` by each, and the
 hook's microseconds per call. Own time in the blocking primitives
 (:data:`WAITS`: the worker's idle queue, a collective's wait) is waiting,
@@ -141,8 +140,8 @@ THREADS = ("main", "worker")
 # the worker's in the codec ops (CodecClock).
 CPU_CLOCKS = ("process", "main", "worker", "codec")
 # The profile's clock: the profiled thread's CPU time (what the host spends; a thread
-# waiting or preempted by the other rank's costs nothing) or wall time (where it waits).
-CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+# waiting or preempted by the other rank's costs nothing).
+PROFILE_CLOCK = time.thread_time
 # The integer options: (option, default, what it counts).
 COUNTS = (
     ("--buckets", 64, "DDP buckets of the model"),
@@ -163,12 +162,6 @@ def parser() -> argparse.ArgumentParser:
     )
     for option, default, meaning in COUNTS:
         top.add_argument(option, type=int, default=default, help=f"{meaning} (default {default})")
-    top.add_argument(
-        "--profile-clock",
-        choices=tuple(CLOCKS),
-        default="cpu",
-        help="the profile's clock: each thread's CPU time (default) or wall time",
-    )
     top.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -398,7 +391,7 @@ def can_profile_threads() -> bool:
 def profile_run(config: Configuration, q, rank: int, settings: dict) -> dict | None:
     """``--profile-steps`` steps of ``config``, profiled on rank 0 (one profiler for the
     training thread, one for the worker's, enabled by a job it runs); its summary."""
-    profilers = {thread: cProfile.Profile(CLOCKS[settings["profile_clock"]]) for thread in THREADS}
+    profilers = {thread: cProfile.Profile(PROFILE_CLOCK) for thread in THREADS}
     cpu = torch.device("cpu")
     if rank == 0:
         q.submit(profilers["worker"].enable, cpu).wait()
@@ -528,7 +521,7 @@ def format_report(records: list[dict]) -> str:
     return format_table(header, rows, groups)
 
 
-def format_profile_totals(records: list[dict], clock: str) -> str:
+def format_profile_totals(records: list[dict]) -> str:
     header = ["run", "hook us/call", "main busy", "main waiting", "worker busy", "worker waiting"]
     rows = [
         [
@@ -542,7 +535,7 @@ def format_profile_totals(records: list[dict], clock: str) -> str:
         ]
         for r in records
     ]
-    return format_table(header, rows, [("", 2), (f"profiled us per bucket ({clock} clock)", 4)])
+    return format_table(header, rows, [("", 2), ("profiled us per bucket (cpu clock)", 4)])
 
 
 def format_functions(rows: list[dict], order: str) -> str:
@@ -587,8 +580,8 @@ def report(records: list[dict], profile: dict | None, settings: dict) -> str:
         return "\n".join(lines)
     lines += [
         f"profile (rank 0, {settings['profile_steps']} steps of each run under cProfile, one profiler "
-        f"per thread, {settings['profile_clock']} clock; slowed down by the profiler):",
-        format_profile_totals(records, settings["profile_clock"]),
+        "per thread, cpu clock; slowed down by the profiler):",
+        format_profile_totals(records),
     ]
     for name in GRADCOMP:
         for thread in THREADS:
