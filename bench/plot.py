@@ -3,7 +3,8 @@
 Every script keeps its records in the JSON it writes (``bench/results/``); the
 PNG beside it is drawn from them, so only the JSON is kept in the repository
 and this script draws the PNG again: ``X.png`` beside each ``X.json`` given.
-A JSON without a plot (``kernels``) is named and passed over.
+A JSON without a plot (``kernel_speed``, ``faults``, ``trainer_train``) is named
+and passed over.
 
 Examples:
     python bench/plot.py bench/results/ddp_train-cpu2-w2-sweep-q.json
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import allreduce
 import convergence
+import diloco_train
 import fsdp_train
 import host_cost
 from lib import convergence_lm, ddp_report, ddp_sweep
@@ -33,9 +35,8 @@ def drawer(document: dict) -> Callable[[list[dict], str, str], None] | None:
     if benchmark.startswith("convergence"):
         draw = convergence_lm.lm_plot if benchmark == "convergence-lm" else convergence.plot
         return lambda records, title, path: draw(with_curves(records, document["curves"]), title, path)
-    return {"allreduce": allreduce.plot, "fsdp_train": fsdp_train.plot, "host_cost": host_cost.plot}.get(
-        benchmark
-    )
+    scripts = (allreduce, diloco_train, fsdp_train, host_cost)
+    return {script.__name__: script.plot for script in scripts}.get(benchmark)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -112,6 +113,21 @@ def test_allreduce_methods_follow_the_algorithm_option():
         "randk/allgather",
     ]
     assert allreduce.message_sizes(65536, 300_000) == [65536, 131072, 262144]
+
+
+# The scripts that draw a PNG beside their results: those that publish with a plot.
+PLOTTING = sorted(
+    name.removesuffix(".py")
+    for name in os.listdir(BENCH)
+    if name.endswith(".py")
+    and re.search(r"publish(_curves)?\([^)]*\bplot\b", pathlib.Path(BENCH, name).read_text())
+)
+
+
+@pytest.mark.parametrize("script", PLOTTING)
+def test_plot_draws_again_what_each_script_drew(script):
+    plot = importlib.import_module("plot")
+    assert plot.drawer({"benchmark": script, "settings": {}, "curves": {}}) is not None
 
 
 @pytest.mark.slow
