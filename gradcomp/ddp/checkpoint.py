@@ -288,26 +288,77 @@ def save_rank_file(state, directory: str) -> str:
     return path
 
 
-def load_rank_file(state, directory: str) -> None:
+MISSING_RESIDUALS = ("raise", "zero")
+
+
+def check_missing_residuals(value: str) -> str:
+    """``value``, where it is one of :data:`MISSING_RESIDUALS`: what a load does with a
+    checkpoint that holds no gradcomp state (saved by a run without compression).
+
+    Raises:
+        ValueError: any other value, naming the choices.
+    """
+    if value not in MISSING_RESIDUALS:
+        raise ValueError(
+            "missing_residuals must be 'raise' (refuse a checkpoint without gradcomp's state) or "
+            f"'zero' (begin compressing from it, residuals at zero), got {value!r}"
+        )
+    return value
+
+
+def without_residuals(missing_residuals: str, what: str, error: type[Exception] = FileNotFoundError) -> None:
+    """(every rank) ``what``, a checkpoint, holds no gradcomp state for any rank: raise
+    ``error``, naming the option that begins compression from it, or (``"zero"``) warn
+    that the residuals start at zero, and the hook's step and warm-up from the start."""
+    if check_missing_residuals(missing_residuals) == "raise":
+        raise error(
+            f"gradcomp: {what} holds no compression state (saved without gradcomp): resuming it would "
+            "lose the residuals of a compressed run. To begin compressing from it, with residuals at "
+            "zero, pass missing_residuals='zero'"
+        )
+    logger.warning(
+        "gradcomp: %s holds no compression state: compression begins here, residuals at zero and "
+        "the hook's steps (warm-up included) from the start (missing_residuals='zero')",
+        what,
+    )
+
+
+def load_rank_file(state, directory: str, missing_residuals: str = "raise") -> None:
     """Restore this rank's ``state`` from :func:`save_rank_file`'s file in ``directory``;
     every rank calls it, and where one rank's file is refused, every rank raises.
 
+    Args:
+        state: the hook state to restore (as registered).
+        directory: the checkpoint's folder.
+        missing_residuals: where no rank's file is in ``directory`` (a checkpoint saved
+            without gradcomp): ``"raise"`` (default) refuses it; ``"zero"`` warns and
+            leaves ``state`` as registered, so that compression begins from this
+            checkpoint with zero residuals.
+
     Raises:
-        FileNotFoundError: the folder holds no gradcomp state for this rank.
-        ValueError: the file is truncated or corrupt, needs more than tensors to load
+        FileNotFoundError: the folder holds no gradcomp state (with ``"raise"``; the
+            message names ``missing_residuals``).
+        ValueError: some ranks' files are missing (saved by fewer ranks), or a file is
+            truncated or corrupt, needs more than tensors to load
             (:func:`gradcomp.files.load_file`), belongs to another rank or kind of state,
             was saved by a run of another world size or settings, or holds a non-finite
             residual (each naming the file).
     """
+    check_missing_residuals(missing_residuals)
     rank, world = _rank_and_world(state.process_group)
     path = os.path.join(directory, RANK_FILE.format(rank=rank))
+    _, found = records.on_every_rank(state.process_group, lambda: (None, os.path.exists(path)))
+    if not any(found):
+        without_residuals(missing_residuals, directory)
+        return
+    if not all(found):
+        lacking = [r for r, here in enumerate(found) if not here]
+        raise ValueError(
+            f"gradcomp: {directory} holds no compression state for ranks {lacking} of {world} (saved by "
+            "fewer ranks): residuals belong to their rank; resume on as many ranks"
+        )
 
     def load() -> tuple:
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"gradcomp: {path} does not exist: the checkpoint holds no compression state for rank "
-                f"{rank} (saved without gradcomp, or by fewer ranks); its residuals would be lost"
-            )
         saved, saved_world = records.opened(files.load_file(path), state, rank, path)
         if saved_world is not None and int(saved_world) != world:
             raise ValueError(
