@@ -27,18 +27,23 @@ except ImportError as error:  # the extra is missing
     ) from error
 
 from gradcomp import ddp
-from gradcomp.compressors import get_compressor
 from gradcomp.ddp import records
-from gradcomp.ddp.hook import OLD_NAMES
+from gradcomp.ddp.checkpoint import check_missing_residuals, without_residuals
+from gradcomp.integrations import common
 
 
 class GradientCompression(Callback):
     """Register gradcomp's DDP hook on the strategy's model and checkpoint its state.
 
     Args:
-        compressor: a compressor name or object (see :func:`gradcomp.get_compressor`).
+        compressor: a compressor name or object (see :func:`gradcomp.get_compressor`),
+            or ``"auto"``.
         log: log ``gradcomp/ratio``, ``gradcomp/bytes_sent`` (and
             ``gradcomp/relative_error`` with ``measure_error=True``) every step.
+        missing_residuals: what ``fit(ckpt_path=...)`` does with a checkpoint that
+            holds no state of this callback (saved by a dense run): ``"raise"``
+            (default) refuses it; ``"zero"`` warns and begins compressing from it,
+            residuals at zero and the hook's warm-up from the start.
         **options: :func:`gradcomp.ddp.register`'s options, the hook's and
             the compressor's (``warmup_steps``, ``algorithm``, ``ratio``, ...).
 
@@ -46,14 +51,16 @@ class GradientCompression(Callback):
         state: the :class:`gradcomp.ddp.HookState` once fitting has started.
     """
 
-    def __init__(self, compressor="int8", log: bool = True, **options):
+    def __init__(self, compressor="int8", log: bool = True, missing_residuals: str = "raise", **options):
         self.compressor = compressor
         self.log = log
+        self.missing_residuals = check_missing_residuals(missing_residuals)
         self.options = options
         self.state: ddp.HookState | None = None
         self._model = None  # the DDP wrapper the hook is registered on
         self._restored: dict | None = None
-        get_compressor(compressor, **_compressor_options(options))  # bad settings fail now
+        own = ("log", "missing_residuals")  # bad settings fail now, in one message
+        common.check_options(compressor, options, common.DDP_OPTIONS, "GradientCompression", own)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
@@ -71,6 +78,8 @@ class GradientCompression(Callback):
         if self._restored is not None:
             self._load(self._restored)
             self._restored = None
+        elif trainer.ckpt_path is not None:  # Lightning restores no state it does not find
+            without_residuals(self.missing_residuals, f"the checkpoint {trainer.ckpt_path}", ValueError)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stats = self.state.last_stats if self.state is not None else None
@@ -125,13 +134,15 @@ def register_fabric(module, compressor="int8", **options) -> ddp.HookState:
 
     Each rank keeps its own residuals: save them with ``gradcomp.ddp.save_rank_file(state,
     folder)`` on every rank beside ``fabric.save`` (which writes from rank 0 only), and
-    restore them with ``gradcomp.ddp.load_rank_file``.
+    restore them with ``gradcomp.ddp.load_rank_file`` (``missing_residuals="zero"`` begins
+    compressing from a checkpoint saved without them, residuals at zero).
 
     Example:
         >>> fabric = lightning.Fabric(strategy="ddp", devices=2)
         >>> model, optimizer = fabric.setup(model, optimizer)
         >>> state = register_fabric(model, "int8", warmup_steps=10)
     """
+    common.check_options(compressor, options, common.DDP_OPTIONS, "register_fabric")
     wrapped = getattr(module, "_forward_module", module)
     if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -145,8 +156,3 @@ def _rank_and_world() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-def _compressor_options(options: dict) -> dict:
-    hook = {*ddp.STATE_OPTIONS, *OLD_NAMES}
-    return {k: v for k, v in options.items() if k not in hook}

@@ -32,10 +32,9 @@ except ImportError as error:  # the extra is missing
         'this module needs transformers: pip install -e ".[transformers]" or pip install transformers'
     ) from error
 
-from gradcomp import ddp, fsdp, planner
-from gradcomp.compressors import get_compressor, split_options
-from gradcomp.ddp.hook import OLD_NAMES
-from gradcomp.fsdp.comms import OPTIONS as FSDP_OPTIONS
+from gradcomp import ddp, fsdp
+from gradcomp.ddp.checkpoint import check_missing_residuals
+from gradcomp.integrations import common
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +48,17 @@ class GradcompCallback(TrainerCallback):
         log: add ``gradcomp/ratio`` and ``gradcomp/bytes_sent`` to every log Trainer
             writes (its history and every ``report_to`` integration), and with
             ``"auto"`` its plan once, as ``gradcomp/plan``.
+        missing_residuals: what ``train(resume_from_checkpoint=...)`` does with a
+            checkpoint that holds no gradcomp state (saved by a dense run):
+            ``"raise"`` (default) refuses it; ``"zero"`` warns and begins compressing
+            from it, residuals at zero and the hook's warm-up from the start.
         **options: :func:`gradcomp.ddp.register`'s options, the hook's and the
             compressor's (``warmup_steps``, ``min_numel``, ``ratio``, ``allow``, ...);
             under FSDP2, :func:`gradcomp.fsdp.register`'s.
 
     Under DDP (Trainer's default on several processes) it registers gradcomp's
-    hook; under FSDP2 (``fsdp_config={"version": 2}``) it compresses FSDP's
+    hook, with ``torch_compile=True`` too (accelerate compiles the DDP it built);
+    under FSDP2 (``fsdp_config={"version": 2}``) it compresses FSDP's
     reduce-scatter with :func:`gradcomp.fsdp.register` (a quantizer or a 16-bit
     cast; accelerate's 2-D HSDP mesh is refused, its all-reduce between replicas
     happens before any hook). Either is registered once, whatever the number of
@@ -62,27 +66,40 @@ class GradcompCallback(TrainerCallback):
     Gradient accumulation sends once per optimizer step (Trainer accumulates
     under DDP's ``no_sync``). Each checkpoint gets a ``gradcomp_rank{r}.pt`` a
     rank; a resumed run loads it, on as many ranks. On one process there is
-    nothing to exchange: it warns and trains as without it. DeepSpeed, which
-    exchanges gradients itself, is refused.
+    nothing to exchange: it warns and trains as without it. Several processes
+    launched (torchrun) that Trainer did not join into one run, on CPUs without
+    ``TrainingArguments(use_cpu=True)``, are refused. DeepSpeed, which exchanges
+    gradients itself, is refused.
 
     Attributes:
-        state: the :class:`gradcomp.ddp.HookState` (:class:`gradcomp.fsdp.FSDPState`
-            under FSDP2), once training has begun.
+        state: what the compression keeps, once training has begun (None before,
+            and on one process): the :class:`gradcomp.ddp.HookState` under DDP, the
+            :class:`gradcomp.fsdp.FSDPState` under FSDP2. Read ``state.last_stats``
+            (the last step's :class:`gradcomp.ddp.StepStats`: ``ratio``,
+            ``bytes_sent``, ...), ``state.stats`` (every step's), ``state.step``
+            (optimizer steps exchanged), and with ``"auto"`` ``state.plan``; it is
+            what each checkpoint's ``gradcomp_rank{r}.pt`` holds.
+
+    Example:
+        >>> callback = GradcompCallback("int8", warmup_steps=10)
+        >>> Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+        >>> callback.state.last_stats.ratio  # 3.9: int8 sends a quarter of fp32's bytes
     """
 
-    def __init__(self, compressor="int8", log: bool = True, **options):
+    def __init__(self, compressor="int8", log: bool = True, missing_residuals: str = "raise", **options):
         self.compressor = compressor
         self.log = log
+        self.missing_residuals = check_missing_residuals(missing_residuals)
         self.options = options
-        self.state: ddp.HookState | None = None
+        self.state: ddp.HookState | fsdp.FSDPState | None = None
         self._model = None  # the DDP wrapper the hook is on
         self._plan_logged = False
-        # Bad settings fail here, not at the first step (DDP's or FSDP2's options: which applies
-        # is known at train()).
-        hook_options = sorted({*ddp.STATE_OPTIONS, *OLD_NAMES, *FSDP_OPTIONS})  # which applies: at train()
-        _, compressor_options = split_options(compressor, options, hook_options, "GradcompCallback")
-        if not planner.is_auto(compressor):
-            get_compressor(compressor, **compressor_options)
+        # Bad settings fail here, not at the first step; which of DDP's or FSDP2's options
+        # applies is known at train(): either's are taken now.
+        hook_options = {*common.DDP_OPTIONS, *common.FSDP_OPTIONS}
+        common.check_options(
+            compressor, options, hook_options, "GradcompCallback", ("log", "missing_residuals")
+        )
 
     # ------------------------------------------------------------------ Trainer's events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -92,7 +109,8 @@ class GradcompCallback(TrainerCallback):
                 "GradcompCallback compresses DDP's gradient exchange; DeepSpeed exchanges gradients itself. "
                 "Train without deepspeed= (Trainer then uses DDP), or use DeepSpeed's own compression"
             )
-        model = trainer.model_wrapped
+        # With torch_compile=True accelerate compiles the DDP it built: the hook goes on that DDP.
+        model = common.uncompiled(trainer.model_wrapped)
         if isinstance(model, FSDPModule):
             if self.state is None:  # FSDP2 keeps the module it sharded: one register for every train()
                 self.state = fsdp.register(model, self.compressor, **self.options)
@@ -106,6 +124,14 @@ class GradcompCallback(TrainerCallback):
                 f"GradcompCallback compresses DDP and FSDP2 (fsdp_config={{'version': 2}}); Trainer wrapped "
                 f"the model in a {type(model).__name__}, which exchanges gradients otherwise"
             )
+        elif common.launched_processes() > 1:
+            # accelerate, which sets up Trainer's devices, joins CPU processes into one run
+            # only when told to use the CPU: without it each trains alone, on its own data.
+            raise RuntimeError(
+                f"GradcompCallback: {common.launched_processes()} processes were launched (WORLD_SIZE) but "
+                "Trainer did not set up distributed training, so each would train alone: on CPUs pass "
+                "TrainingArguments(use_cpu=True) (or set ACCELERATE_USE_CPU=true)"
+            )
         else:
             logger.warning("gradcomp: one process, nothing to exchange: training without compression")
             return
@@ -115,7 +141,7 @@ class GradcompCallback(TrainerCallback):
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
         if state.global_step > 0:  # a resumed run
             folder = resume or os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            ddp.load_rank_file(self.state, folder)
+            ddp.load_rank_file(self.state, folder, self.missing_residuals)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         stats = self.state.last_stats if self.state is not None else None
@@ -141,10 +167,16 @@ class GradcompCallback(TrainerCallback):
 def _calling_trainer() -> tuple[Trainer, str | None]:
     """The Trainer whose event is being handled, and the checkpoint it resumes from.
 
-    Callbacks are handed the unwrapped model, not Trainer: the wrapped one (DDP)
-    and the folder ``train(resume_from_checkpoint=...)`` resolved are the Trainer's
-    and its training loop's, found on the call stack (an event is always called
-    from a method of the Trainer, any subclass)."""
+    Found on the call stack (an event is always called from a method of the Trainer,
+    any subclass), because no public route reaches either: ``CallbackHandler.call_event``
+    hands a callback ``model`` (``Trainer.model``, the unwrapped model; not
+    ``model_wrapped``, the DDP that takes the hook), ``optimizer`` (accelerate's
+    ``AcceleratedOptimizer``, which keeps no reference to the model or the Accelerator),
+    ``lr_scheduler``, ``train_dataloader``, ``eval_dataloader`` and ``processing_class``;
+    ``TrainerState`` does not record the folder ``train(resume_from_checkpoint=...)``
+    resolved (``True`` resolves to the last checkpoint); and the one callback of
+    transformers that needs its Trainer (``JITCheckpointCallback``) is handed it by
+    ``Trainer.__init__`` itself (``set_trainer``), which a user's callback is not."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")

@@ -1,12 +1,15 @@
 """gradcomp in Hugging Face's Trainer (gradcomp.integrations.transformers), on 2 Gloo ranks.
 
 The real Trainer (transformers 5) on a tiny GPT-2, CPU ranks: the callback registers
-the hook on Trainer's DDP, its figures reach Trainer's logs, a resumed run ends where
-the uninterrupted one does, and accumulation sends once per optimizer step.
+the hook on Trainer's DDP (compiled or not), its figures reach Trainer's logs, a resumed
+run ends where the uninterrupted one does, a dense checkpoint begins compression only
+when asked, and accumulation sends once per optimizer step.
 """
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import math
 import os
 import warnings
@@ -23,8 +26,8 @@ from gradcomp.integrations.transformers import GradcompCallback  # noqa: E402
 VOCAB, LENGTH = 64, 16
 
 
-def _model():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2)
+def _model(width: int = 32):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=width, n_layer=2, n_head=2)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -37,7 +40,7 @@ def _data(count: int = 96) -> list[dict]:
     return [{"input_ids": t, "labels": t} for t in tokens]
 
 
-def _trainer(output_dir: str, callbacks, trainer_class=None, **arguments):
+def _trainer(output_dir: str, callbacks, trainer_class=None, width: int = 32, **arguments):
     options = dict(
         output_dir=output_dir,
         per_device_train_batch_size=4,
@@ -54,7 +57,7 @@ def _trainer(output_dir: str, callbacks, trainer_class=None, **arguments):
     options.update(arguments)
     args = transformers.TrainingArguments(**options)
     return (trainer_class or transformers.Trainer)(
-        model=_model(), args=args, train_dataset=_data(), callbacks=callbacks
+        model=_model(width), args=args, train_dataset=_data(), callbacks=callbacks
     )
 
 
@@ -108,7 +111,9 @@ def _resumes_exactly(rank: int, world: int, root: str) -> dict:
             # Without its residuals the resumed run would not end where the whole one did.
             lost = _trainer(folder, [GradcompCallback("int8", min_numel=0)])
             os.remove(os.path.join(folder, "checkpoint-3", f"gradcomp_rank{rank}.pt"))
-            with pytest.raises(FileNotFoundError, match="holds no compression state"):
+            with pytest.raises(
+                FileNotFoundError, match="holds no compression state.*missing_residuals='zero'"
+            ):
                 lost.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-3"))
     return ended
 
@@ -161,6 +166,87 @@ def test_deepspeed_is_refused_and_bad_settings_fail_at_once(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradcompCallback("auto", warmup_steps=3, allow=("int8",))
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _compiled_trains_compressed(rank: int, world: int, root: str) -> None:
+    _environment(rank, world)
+    # Several buckets (dynamo's DDPOptimizer splits the compiled graph at each; it takes no
+    # bucket under its first's 1 MB). aot_eager compiles forward and backward as inductor
+    # does (AOTAutograd), without its C++ build.
+    settings = dict(max_steps=3, ddp_bucket_cap_mb=1, torch_compile_backend="aot_eager", width=128)
+    eager = _trainer(os.path.join(root, "eager"), [GradcompCallback("int8", min_numel=0)], **settings)
+    eager.train()
+    callback = GradcompCallback("int8", min_numel=0)
+    compiled = _trainer(os.path.join(root, "compiled"), [callback], torch_compile=True, **settings)
+    compiled.train()
+    assert type(compiled.model_wrapped).__name__ == "OptimizedModule"
+    stats = callback.state.last_stats
+    assert callback.state.step == 3 and stats.compressed_buckets == stats.buckets > 1, stats
+    assert same_on_all_ranks(_parameters(compiled))
+    assert _losses(compiled) == pytest.approx(_losses(eager), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_torch_compile_compresses_the_ddp_under_the_compiled_module(tmp_path):
+    run_ranks(_compiled_trains_compressed, 2, str(tmp_path))
+
+
+def _told_to_pass_use_cpu(rank: int, world: int, root: str) -> None:
+    _environment(rank, world)
+    # As under torchrun on CPUs without use_cpu=True: accelerate joins the process group
+    # (it exists here already) but sets up no distributed run, so each rank would train alone.
+    trainer = _trainer(root, [GradcompCallback("int8")], use_cpu=False, max_steps=1)
+    assert trainer.args.world_size == 1
+    with pytest.raises(RuntimeError, match=r"2 processes were launched.*use_cpu=True"):
+        trainer.train()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, Trainer sets up DDP without use_cpu")
+def test_processes_trainer_did_not_join_are_told_to_pass_use_cpu(tmp_path):
+    run_ranks(_told_to_pass_use_cpu, 2, str(tmp_path))
+
+
+def test_a_misspelt_option_names_the_nearest_among_the_hooks_and_the_compressors():
+    for misspelt, nearest in (("warmup_step", "warmup_steps"), ("blok", "block"), ("missing_residual", None)):
+        with pytest.raises(ValueError) as raised:
+            GradcompCallback("int8", **{misspelt: 3})
+        message = str(raised.value)
+        assert "GradcompCallback" in message and f"did you mean '{nearest or misspelt + 's'}'" in message
+        assert all(name in message for name in ("warmup_steps", "missing_residuals", "block", "stochastic"))
+    with pytest.raises(ValueError, match="missing_residuals must be 'raise'.*or 'zero'"):
+        GradcompCallback("int8", missing_residuals="skip")
+
+
+def _begins_compression_from_a_dense_checkpoint(rank: int, world: int, root: str) -> dict:
+    _environment(rank, world)
+    warned = logging.handlers.BufferingHandler(100)
+    logging.getLogger("gradcomp.ddp").addHandler(warned)
+    _trainer(root, [], save_strategy="steps", save_steps=3).train()
+    checkpoint = os.path.join(root, "checkpoint-3")
+    refused = _trainer(root, [GradcompCallback("int8", min_numel=0)])
+    with pytest.raises(FileNotFoundError, match="missing_residuals='zero'"):
+        refused.train(resume_from_checkpoint=checkpoint)
+    callback = GradcompCallback("int8", min_numel=0, missing_residuals="zero")
+    resumed = _trainer(root, [callback])
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert same_on_all_ranks(_parameters(resumed))
+    logged = [entry for entry in resumed.state.log_history if "loss" in entry]
+    return {
+        "warned": any("residuals at zero" in record.getMessage() for record in warned.buffer),
+        "steps": callback.state.step,
+        "compressed steps": [entry["step"] for entry in logged if entry.get("gradcomp/ratio", 0) > 3],
+    }
+
+
+@pytest.mark.slow
+def test_compression_begins_from_a_dense_checkpoint_only_when_asked(tmp_path):
+    result = run_ranks(_begins_compression_from_a_dense_checkpoint, 2, str(tmp_path))
+    assert result == {"warned": True, "steps": 3, "compressed steps": [4, 5, 6]}
 
 
 class _FSDPOnCPUTrainer(transformers.Trainer):
