@@ -1,19 +1,27 @@
-"""A slow link on one machine: a command run in a network namespace of its own whose
-loopback a ``tc`` token bucket limits.
+"""A slow link on one machine: a network namespace of its own whose loopback a ``tc``
+token bucket limits.
 
 RATE is each rank's link in bits per second each way, as a NIC's rate is given
 and as ``gradcomp plan --bandwidth`` takes it (``1gbit``, ``100mbit``). The
 loopback carries every rank's sends, and in a ring collective every rank sends
 at once, so the bucket's rate is RATE times the ranks and each gets RATE. Needs
-root and iproute2; the namespace is deleted afterwards, whatever happens. The
-demo's ``--bandwidth`` and the bench scripts' run through it.
+root and iproute2; the namespace is deleted afterwards, whatever happens.
+
+Two ways in: :func:`run_limited` runs a command in a namespace limited from the
+start (the bench scripts' ``--bandwidth``); :class:`Namespace` holds one whose
+loopback starts unlimited, spawned ranks enter it (:func:`enter_namespace`) and
+:func:`limit_loopback` limits it and lifts the limit while they run (the demo
+trains on the unlimited loopback, then times steps behind the limit).
 
 Example:
-    >>> status = run_limited([sys.executable, "-m", "gradcomp", "demo"], "100mbit", ranks=2)
+    >>> status = run_limited([sys.executable, "bench/allreduce.py"], "100mbit", ranks=2)
+    >>> with Namespace("gradcomp demo") as name:
+    ...     limit_loopback(name, link_settings("500mbit", ranks=2))
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -69,6 +77,67 @@ def unmet_requirement(what: str) -> str | None:
     return None
 
 
+class Namespace:
+    """A network namespace of its own, named ``gradcomp-<pid>-<random>``, its loopback up and
+    unlimited; deleted on leaving the ``with`` block, whatever happens. Entering it yields its
+    name.
+
+    Args:
+        what: the command or option that asked, named in the error where the machine
+            cannot make one (not root, no ``ip``/``tc``).
+
+    Raises:
+        PermissionError: on entering, where :func:`unmet_requirement` says why it cannot.
+        subprocess.CalledProcessError: ``ip`` failed to make it.
+    """
+
+    def __init__(self, what: str = "--bandwidth"):
+        self.what = what
+        self.name = f"gradcomp-{os.getpid()}-{secrets.token_hex(3)}"
+
+    def __enter__(self) -> str:
+        unmet = unmet_requirement(self.what)
+        if unmet:
+            raise PermissionError(unmet)
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        try:
+            subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.name
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], stderr=subprocess.DEVNULL)
+
+
+def limit_loopback(name: str, settings: dict | None) -> None:
+    """Limit the loopback of namespace ``name`` to ``settings`` (:func:`link_settings`), or lift
+    the limit (None). Always names the namespace: the machine's own loopback is never touched."""
+    if settings is None:
+        command = ["tc", "-n", name, "qdisc", "del", "dev", "lo", "root"]
+    else:
+        command = ["tc", "-n", name, "qdisc", "replace", "dev", "lo", "root", *token_bucket(settings)]
+    subprocess.run(command, check=True)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_namespace(name: str, rank: int = 0, world_size: int = 0) -> None:
+    """Move this thread into network namespace ``name`` (threads it starts later follow); as
+    ``functools.partial(enter_namespace, name)``, a :func:`gradcomp.spawn.run_ranks` setup that
+    puts every rank in it before the ranks meet on its loopback."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    descriptor = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(descriptor, _CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(descriptor)
+
+
 def run_limited(command: list[str], rate: str, ranks: int, what: str = "--bandwidth") -> int:
     """Run ``command`` inside a fresh namespace whose loopback gives each of ``ranks`` ranks
     ``rate`` (its environment holds the settings: :func:`link_info`).
@@ -82,22 +151,15 @@ def run_limited(command: list[str], rate: str, ranks: int, what: str = "--bandwi
     if unmet:
         sys.stderr.write(f"{unmet} Drop {what} to run on the unlimited loopback.\n")
         return 2
-    name = f"gradcomp-{os.getpid()}-{secrets.token_hex(3)}"
-    inside = ["ip", "netns", "exec", name]
     try:
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(
-            [*inside, "tc", "qdisc", "add", "dev", "lo", "root", *token_bucket(settings)], check=True
-        )
-        sys.stderr.write(
-            f"network namespace {name}: loopback limited to {settings['tc_rate']}, "
-            f"{settings['rate']} for each of {ranks} ranks\n"
-        )
-        env = {**os.environ, LINK_ENV: json.dumps(settings), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        return subprocess.run([*inside, *command], env=env).returncode
+        with Namespace(what) as name:
+            limit_loopback(name, settings)
+            sys.stderr.write(
+                f"network namespace {name}: loopback limited to {settings['tc_rate']}, "
+                f"{settings['rate']} for each of {ranks} ranks\n"
+            )
+            env = {**os.environ, LINK_ENV: json.dumps(settings), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+            return subprocess.run(["ip", "netns", "exec", name, *command], env=env).returncode
     except subprocess.CalledProcessError as error:
         sys.stderr.write(f"could not set up the limited namespace: {error}\n")
         return 2
-    finally:
-        subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL)

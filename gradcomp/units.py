@@ -9,7 +9,8 @@ One meaning per unit in ``python -m gradcomp`` and the bench scripts alike:
 * a duration: ``20us``, ``5ms``, ``1s``.
 
 Each parser raises ``ValueError`` naming the form it expects; :func:`argument` makes
-one an ``argparse`` type. Compressor specs (``int8``, ``topk@0.01``,
+one an ``argparse`` type, as :func:`at_least` and :func:`positive_number` are;
+:func:`format_rate` writes a rate for people. Compressor specs (``int8``, ``topk@0.01``,
 ``int4:block=128``) are :func:`gradcomp.planner.from_spec`'s; :func:`split_list`
 splits a list of them.
 
@@ -18,11 +19,14 @@ Example:
     (65536, 350000000, 10000000000.0, 0.005)
     >>> split_list(["int8,topk:ratio=0.1,exact=true"])
     ['int8', 'topk:ratio=0.1,exact=true']
+    >>> format_rate(5e8), format_rate(2.25e9)
+    ('500 Mbit/s', '2.2 Gbit/s')
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -73,6 +77,18 @@ def format_size(count: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_rate(bits_per_second: float) -> str:
+    """A link's rate for people, two significant digits or more: ``5e8`` -> ``"500 Mbit/s"``,
+    ``2.25e9`` -> ``"2.2 Gbit/s"``, ``1e10`` -> ``"10 Gbit/s"``."""
+    if not 0 < bits_per_second < math.inf:
+        return f"{bits_per_second:g} bit/s"
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_second >= scale or unit == "kbit/s":
+            value = bits_per_second / scale
+            return f"{value:.2g} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def split_list(values: Sequence[str] | str) -> list[str]:
     """Items of a list option given space- or comma-separated (``int8 fp16`` or ``int8,fp16``).
 
@@ -100,3 +116,29 @@ def argument(parse: Callable[[str], object], positive: bool = True) -> Callable[
 
     parsed.__name__ = parse.__name__.removeprefix("parse_")
     return parsed
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An ``argparse`` type: an integer of at least ``minimum``."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return integer
+
+
+def positive_number(text: str) -> float:
+    """An ``argparse`` type: a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value

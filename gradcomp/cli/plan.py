@@ -3,14 +3,148 @@ report for a model (``--params``): every candidate predicted, and what auto pick
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
 from gradcomp import planner
 from gradcomp.tables import format_table
-from gradcomp.units import split_list
+from gradcomp.units import (
+    argument,
+    at_least,
+    parse_count,
+    parse_duration,
+    parse_rate,
+    parse_size,
+    positive_number,
+    split_list,
+)
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype
+# Options that only --params reads.
+PARAMS_OPTIONS = ("world", "dtype", "compute_ms", "profile", "node_size", "intra_bandwidth", "intra_latency")
+
+
+def _world_sizes(text: str) -> list[int]:
+    sizes = [at_least(2)(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one world size")
+    return sizes
+
+
+def add_parser(commands) -> None:
+    """Add ``plan`` and its options to the top parser's subcommands."""
+    plan = commands.add_parser(
+        "plan",
+        help="bytes per rank and predicted time of every compressor and algorithm as the world grows",
+        description=(
+            "The cost model: for each world size, compressor and algorithm, the bytes one rank "
+            "sends in an all-reduce of NUMEL fp32 elements (from the payload layouts, as the "
+            "statistics count them) and the time a ring schedule takes on links of the given "
+            "rate (each rank's, bits per second each way) and latency per step. * marks each "
+            "compressor's default algorithm."
+        ),
+    )
+    plan.add_argument(
+        "--numel",
+        type=argument(parse_size),
+        default=25 * 2**20,
+        help="elements of the all-reduce (K, M, G suffixes; default 25M)",
+    )
+    plan.add_argument(
+        "--params",
+        type=argument(parse_count, positive=False),  # 0.4 is refused below: "at least 1"
+        default=None,
+        help="a model of this many parameters (K, M, G: thousands, millions, billions): print what "
+        "each candidate costs a step in DDP buckets and what auto picks, instead of the sweep",
+    )
+    plan.add_argument("--world", type=at_least(2), default=None, help="with --params: ranks (default 8)")
+    plan.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="with --params: the gradients' type (default fp32; bf16 and fp16 send half the bytes dense)",
+    )
+    plan.add_argument(
+        "--bucket-mb",
+        type=positive_number,
+        default=25.0,
+        help="with --params: DDP bucket size in MB (default 25)",
+    )
+    plan.add_argument(
+        "--compute-ms",
+        type=positive_number,
+        default=None,
+        help="with --params: forward and backward time of a step, for the bound on the step's speedup",
+    )
+    plan.add_argument(
+        "--allow",
+        default=",".join(planner.SAFE),
+        help=f"with --params: auto's candidates (default {','.join(planner.SAFE)}; e.g. add topk@0.01)",
+    )
+    plan.add_argument(
+        "--profile",
+        default=None,
+        help="with --params: a profile from 'gradcomp probe' (default: the stored profile of a 2-core CPU "
+        "machine; none is stored for GPUs); --bandwidth and --latency, when given, replace its link",
+    )
+    plan.add_argument(
+        "--node-size",
+        type=at_least(1),
+        default=None,
+        help="with --params: ranks per node; --bandwidth is then each rank's link between nodes (its "
+        "share of the node's where they share one), and the hierarchical algorithm is weighed too",
+    )
+    plan.add_argument(
+        "--intra-bandwidth",
+        type=argument(parse_rate),
+        default=None,
+        help="with --node-size: each rank's link inside a node, bits per second each way, e.g. "
+        "7200gbit (NVLink's 900 GB/s; default: the profile's link, measured inside one machine)",
+    )
+    plan.add_argument(
+        "--intra-latency",
+        type=argument(parse_duration),
+        default=None,
+        help="with --node-size: per collective step inside a node, e.g. 5us (default: the profile's)",
+    )
+    plan.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        default=[2**i for i in range(1, 11)],
+        help="comma-separated (default 2,4,...,1024)",
+    )
+    plan.add_argument(
+        "--bandwidth",
+        type=argument(parse_rate),
+        default=None,
+        help="each rank's link, bits per second each way as a NIC's rate is given, e.g. 1gbit, "
+        "100gbit (default 10gbit, or the profile's with --params)",
+    )
+    plan.add_argument(
+        "--latency",
+        type=argument(parse_duration),
+        default=None,
+        help="per collective step, e.g. 20us (default 20us, or the profile's with --params)",
+    )
+    plan.add_argument(
+        "--compressors",
+        default="none,bf16,int8,int4,sign,topk,randk",
+        help="comma-separated compressor names",
+    )
+    plan.add_argument("--png", default=None, help="also plot bytes per rank against the world size here")
+    plan.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``gradcomp plan``: the ring table, or with ``--params`` the planner's report."""
+    if args.params is None:
+        given = [f"--{k.replace('_', '-')}" for k in PARAMS_OPTIONS if getattr(args, k) is not None]
+        if given or args.allow != ",".join(planner.SAFE):
+            sys.stderr.write(f"gradcomp plan: {', '.join(given) or '--allow'} needs --params\n")
+            return 2
+        return ring_table(args)
+    return decide(args)
 
 
 def ring_table(args) -> int:

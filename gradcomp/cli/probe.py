@@ -4,15 +4,61 @@ sizes measured."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
 from gradcomp import demo, planner
 from gradcomp.tables import format_table
-from gradcomp.units import split_list
+from gradcomp.units import argument, at_least, parse_size, split_list
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [argument(parse_size)(part) for part in split_list(text)]
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one size")
+    return sizes
+
+
+def add_parser(commands) -> None:
+    """Add ``probe`` and its options to the top parser's subcommands."""
+    probe = commands.add_parser(
+        "probe",
+        help="measure this machine's link and compressors and write a profile for plan and auto",
+        description=(
+            "Spawn Gloo ranks on 127.0.0.1, time a pingpong between two of them (one message's "
+            "latency and bandwidth), dense all-reduces, all-gathers and all-to-alls of each "
+            "size (fitting each one's latency per ring step and bandwidth per rank) and each "
+            "compressor's compress and decompress (on CPUs beside a busy thread, by its CPU time), "
+            "and write the profile as JSON. Each figure is the slowest rank's median."
+        ),
+    )
+    probe.add_argument("--world-size", type=at_least(2), default=2, help="processes to spawn (default 2)")
+    probe.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=[2**12, 2**16, 2**20, 2**22],
+        help="comma-separated all-reduce sizes in fp32 elements (default 4K,64K,1M,4M)",
+    )
+    probe.add_argument(
+        "--codec-sizes",
+        type=_sizes,
+        default=[2**16, 2**20, 2**22, 2**24],
+        help="comma-separated sizes the compressors are timed at, in fp32 elements (default "
+        "64K,1M,4M,16M: up to the buckets of a large model, whose codecs run from memory, not cache)",
+    )
+    probe.add_argument(
+        "--compressors",
+        default="none,bf16,int8,int4,ternary,sign,topk,randk",
+        help="comma-separated compressors to time (name, name@value or name:k=v)",
+    )
+    probe.add_argument("--repeat", type=at_least(1), default=5, help="timings per size (median; default 5)")
+    probe.add_argument("--out", default="gradcomp-profile.json", help="where to write the profile")
+    probe.set_defaults(run=run)
 
 
 def run(args) -> int:
+    """Run ``gradcomp probe``; returns the exit status."""
     from gradcomp import spawn
 
     try:
