@@ -70,10 +70,11 @@ def _weights(model) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in whole])
 
 
-def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | None, fsdp2: bool = False):
+def _accelerated(rank, folder, start, stop, save_at, fsdp2=False, compressor="int8", **options):
     """Optimizer steps ``start`` to ``stop`` with accelerate (``ACCUMULATE`` micro-batches a
-    step), int8; restored from ``folder`` where ``start`` > 0, saved there after ``save_at``."""
-    from gradcomp.integrations.accelerate import checkpoint_residuals
+    step), compressed with ``compressor`` (None: dense); restored from ``folder`` where
+    ``start`` > 0, saved there after ``save_at``."""
+    from gradcomp.integrations.accelerate import register
 
     if fsdp2:
         accelerator = _fsdp2_accelerator()
@@ -82,11 +83,10 @@ def _accelerated(rank: int, folder: str, start: int, stop: int, save_at: int | N
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if fsdp2:  # the reduce-scatter compressed, with error feedback: residuals to checkpoint
-        state = gradcomp.fsdp.register(model, "int8", residual="fp32")
-    else:
-        state = gradcomp.ddp.register(model, "int8", min_numel=0)
-    checkpoint_residuals(accelerator, state)
+    state = None
+    if compressor is not None:  # FSDP2: the reduce-scatter, with error feedback (residuals to checkpoint)
+        settings = dict(residual="fp32") if fsdp2 else dict(min_numel=0)
+        state = register(accelerator, model, compressor, **settings, **options)
     if start:
         accelerator.load_state(folder)
     for step in range(start, stop):
@@ -145,6 +145,54 @@ def _fabric_run(rank: int, world: int, root: str) -> None:
     assert again.step == 3
     with pytest.raises(TypeError, match="on a DDP strategy"):
         register_fabric(_model(), "int8")
+
+
+def _dense_checkpoint(rank: int, world: int, root: str) -> dict:
+    import logging.handlers
+
+    from gradcomp.integrations.lightning import register_fabric
+
+    _environment(rank, world)
+    warned = logging.handlers.BufferingHandler(100)
+    logging.getLogger("gradcomp.ddp").addHandler(warned)
+    folder = os.path.join(root, "dense")
+    _accelerated(rank, folder, 0, 3, save_at=3, compressor=None)
+    with pytest.raises(FileNotFoundError, match="missing_residuals='zero'"):
+        _accelerated(rank, folder, 3, STEPS, save_at=None)
+    weights, state = _accelerated(rank, folder, 3, STEPS, save_at=None, missing_residuals="zero")
+    assert same_on_all_ranks(weights)
+    # Fabric's route: the rank files directly.
+    empty = os.path.join(root, "empty")
+    again = register_fabric(torch.nn.parallel.DistributedDataParallel(_model()), "int8")
+    with pytest.raises(FileNotFoundError, match="missing_residuals='zero'"):
+        gradcomp.ddp.load_rank_file(again, empty)
+    gradcomp.ddp.load_rank_file(again, empty, missing_residuals="zero")
+    warnings = [record.getMessage() for record in warned.buffer]
+    return {"steps": state.step, "warnings": sum("residuals at zero" in w for w in warnings)}
+
+
+@pytest.mark.slow
+def test_compression_begins_from_a_dense_checkpoint_only_when_asked(tmp_path):
+    assert run_ranks(_dense_checkpoint, 2, str(tmp_path)) == {"steps": 3, "warnings": 2}
+
+
+def _without_cpu_true(rank: int, world: int) -> None:
+    from gradcomp.integrations.accelerate import register
+
+    _environment(rank, world)
+    # As under torchrun on CPUs: accelerate joins the process group (it exists here
+    # already) but sets up no distributed run, and prepare returns the model as it is.
+    accelerator = accelerate.Accelerator()
+    assert accelerator.distributed_type == accelerate.utils.DistributedType.NO
+    model = accelerator.prepare(_model())
+    with pytest.raises(RuntimeError, match=r"2 processes were launched.*Accelerator\(cpu=True\)"):
+        register(accelerator, model, "int8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, accelerate sets up DDP without cpu=True")
+def test_processes_accelerate_did_not_join_are_told_to_pass_cpu_true():
+    run_ranks(_without_cpu_true, 2)
 
 
 @pytest.mark.slow
