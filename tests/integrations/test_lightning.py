@@ -42,13 +42,14 @@ def _loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=16)
 
 
-def _fit(directory: str, epochs: int, resume: str | None, checkpoints: bool):
+def _fit(directory: str, epochs: int, resume: str | None, checkpoints: bool, compression="default"):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gradcomp.integrations.lightning import GradientCompression
 
-    compression = GradientCompression("int8", min_numel=0)
-    callbacks = [compression]
+    if compression == "default":
+        compression = GradientCompression("int8", min_numel=0)
+    callbacks = [compression] if compression is not None else []
     if checkpoints:
         callbacks.append(
             ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
@@ -101,6 +102,33 @@ def test_callback_compresses_logs_and_resumes_bit_for_bit(tmp_path):
     assert result["logged"]["gradcomp/bytes_sent"] > 0
     assert result["steps"] == 16 and result["resumed_steps"] == 8  # 8 steps an epoch on each rank
     assert result["same"], "the resumed run ended elsewhere than the uninterrupted one"
+
+
+def _from_a_dense_checkpoint(rank: int, world_size: int, directory: str) -> dict:
+    import logging.handlers
+
+    from gradcomp.integrations.lightning import GradientCompression
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
+    warned = logging.handlers.BufferingHandler(100)
+    logging.getLogger("gradcomp.ddp").addHandler(warned)
+    _fit(directory, 1, None, checkpoints=True, compression=None)
+    dense = os.path.join(directory, "epoch=0.ckpt")
+    with pytest.raises(ValueError, match="missing_residuals='zero'"):
+        _fit(directory + "/refused", 2, dense, checkpoints=False)
+    compression = GradientCompression("int8", min_numel=0, missing_residuals="zero")
+    _fit(directory + "/resumed", 2, dense, checkpoints=False, compression=compression)
+    return {
+        "steps": len(compression.state.stats),
+        "warned": any("residuals at zero" in record.getMessage() for record in warned.buffer),
+    }
+
+
+def test_compression_begins_from_a_dense_checkpoint_only_when_asked(tmp_path):
+    # Lightning restores no callback state it does not find: without the refusal a dense
+    # checkpoint would resume compressed without a word.
+    result = run_ranks(_from_a_dense_checkpoint, 2, str(tmp_path), timeout=300)
+    assert result == {"steps": 8, "warned": True}  # the second epoch's 8 steps
 
 
 def test_a_checkpoint_of_another_world_size_is_refused():
