@@ -23,13 +23,14 @@ FSDP_OPTIONS = tuple(
 def check_options(compressor, options: dict, hook_options, owner: str, own=()) -> None:
     """Refuse, at once, an option that neither ``owner`` (its parameters ``own`` and the
     hook's ``hook_options``) nor the compressor takes, in one message: the nearest name
-    among both and both lists; then the compressor's own values.
+    among both and both lists (old names taken, not listed); then the compressor's own values.
 
     Raises:
         ValueError: an unknown option or compressor, or a value out of range.
         TypeError: a value of the wrong type.
     """
-    _, compressor_options = split_options(compressor, options, sorted({*own, *hook_options}), owner)
+    own = sorted({*own, *hook_options})
+    _, compressor_options = split_options(compressor, options, own, owner, hidden=OLD_NAMES)
     if not planner.is_auto(compressor):
         get_compressor(compressor, **compressor_options)
 
