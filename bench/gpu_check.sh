@@ -114,6 +114,7 @@ extras="$(mktemp -d)" # files beyond the 8 that come back: packed into one archi
 trap 'rm -rf "$tree" "$extras"' EXIT
 cp -r gradcomp "$tree/gradcomp"
 rm -f "$tree"/gradcomp/*.fatbin
+cp -r kernels "$tree/gradcomp/kernels" # where pyproject.toml's package-dir installs the Triton kernels
 cp -r csrc tests pyproject.toml "$tree/"
 export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 cd "$tree"

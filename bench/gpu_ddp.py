@@ -27,6 +27,7 @@ if a check fails.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import sys
@@ -56,11 +57,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def kernel_names() -> tuple[set[str], tuple[str, ...]]:
     """The names of gradcomp's kernels, read from its sources: the Triton ones (the
-    ``_..._kernel`` functions of gradcomp/kernels/) exactly, and the CUDA ones (csrc/) exactly or,
-    where a macro stamps one per type (``sign_compress_##X_NAME``), by their prefix. A
-    substring would also match torch's own (``sign`` in ``unsigned``)."""
+    ``_..._kernel`` functions of ``gradcomp.kernels``, wherever it is installed from) exactly,
+    and the CUDA ones (csrc/) exactly or, where a macro stamps one per type
+    (``sign_compress_##X_NAME``), by their prefix. A substring would also match torch's own
+    (``sign`` in ``unsigned``)."""
     exact = set()
-    for path in (ROOT / "gradcomp" / "kernels").glob("*.py"):
+    (triton_sources,) = importlib.util.find_spec("gradcomp.kernels").submodule_search_locations
+    for path in pathlib.Path(triton_sources).glob("*.py"):
         exact |= set(re.findall(r"^def (_\w+_kernel)\(", path.read_text(), re.MULTILINE))
     found = set()
     for path in (ROOT / "csrc").glob("*.cu"):
