@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import os
 import statistics
@@ -43,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import gradcomp
-from gradcomp import limited_link, planner, spawn
+from gradcomp import collectives, limited_link, planner, spawn
 from gradcomp.collectives import ring_all_reduce_bytes
 
 # Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
@@ -333,6 +334,12 @@ def _ranks_train(
         for i, name in enumerate(names):
             bar.set_description_str(f"[{i + 1}/{len(names)}] {label_of(name)}")
             rows.append(train(name, data, setup, link, bar))
+            # A run's DDP model and hook state hold the queue's cloned Gloo group in reference
+            # cycles: a clone still alive at the interpreter's exit, after destroy_process_group,
+            # aborts the process (gradcomp.collectives.release_queues), so each goes now.
+            gc.collect()
+    collectives.release_queues()
+    gc.collect()
     return [dataclasses.asdict(row) for row in rows]
 
 
@@ -399,7 +406,7 @@ def parameters(setup: Setup) -> int:
 def describe(setup: Setup, rows: list[Row]) -> str:
     """The model, data and optimiser of the runs in one line."""
     buckets = max((row.buckets for row in rows), default=0)
-    in_buckets = f" in {buckets} DDP buckets" if buckets else ""
+    in_buckets = f" in {buckets} DDP bucket{'s' if buckets > 1 else ''}" if buckets else ""
     if setup.task == "digits":
         data = f"digits {DIGITS_SAMPLES[0]} train / {DIGITS_SAMPLES[1]} test, {setup.epochs} epochs of"
     else:
