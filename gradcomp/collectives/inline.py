@@ -16,6 +16,7 @@ import threading
 import torch.distributed as dist
 
 from gradcomp.collectives.dispatch import job_steps
+from gradcomp.collectives.groups import group_timeout
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.stats import ReduceStats
 from gradcomp.collectives.worker import drive
@@ -23,13 +24,15 @@ from gradcomp.collectives.worker import drive
 
 class InlineGroup:
     """What the algorithms read of a :class:`~gradcomp.collectives.worker.CollectiveQueue`
-    (``group``, ``rank``, ``world_size``, the settings verified so far, allgather's
+    (``group``, ``rank``, ``world_size``, ``ranks``, the group's timeout, the settings verified so far, allgather's
     lanes, the plans agreed), for jobs run in the caller's thread on ``group`` itself."""
 
     __slots__ = (
         "group",
         "rank",
         "world_size",
+        "ranks",
+        "timeout_seconds",
         "verified",
         "hierarchies",
         "lanes",
@@ -42,6 +45,9 @@ class InlineGroup:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.ranks = dist.get_process_group_ranks(self.group)
+        timeout = group_timeout(self.group) or dist.constants.default_pg_timeout
+        self.timeout_seconds = timeout.total_seconds()
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}
         self.lanes: dict = {}
