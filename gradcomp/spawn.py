@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -61,6 +62,10 @@ def _entry(rank, world_size, address, port, setup, group_timeout, threads, resul
     finally:
         from gradcomp import collectives  # the package imports this module
 
+        # What the body left in reference cycles (a DDP model and its hook state hold a
+        # queue's cloned group) goes before the groups do: a clone alive at the
+        # interpreter's exit, after destroy_process_group, aborts the process.
+        gc.collect()
         collectives.release_queues()
         if finished and rank == 0:
             # Rank 0 holds the store: it goes last, once the others have torn down.
