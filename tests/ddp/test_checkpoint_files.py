@@ -128,6 +128,7 @@ def test_topk_and_a_settled_auto_plan_load_with_weights_only(tmp_path):
 def _refusals(rank: int, world: int, folder: str) -> None:
     state = _ddp("int8", rank, world, 3)
     save_rank_file(state, folder)
+    dist.barrier()  # rank 0 copies rank 1's file below: it must be written
     first = os.path.join(folder, "gradcomp_rank0.pt")
     whole = open(first, "rb").read()
     record = torch.load(first, weights_only=True)
