@@ -47,7 +47,8 @@ class GradcompCallback(TrainerCallback):
             or ``"auto"``.
         log: add ``gradcomp/ratio`` and ``gradcomp/bytes_sent`` to every log Trainer
             writes (its history and every ``report_to`` integration), and with
-            ``"auto"`` its plan once, as ``gradcomp/plan``.
+            ``"auto"`` its plan, as ``gradcomp/plan``, at the first log and at each
+            log after it changed (a trial's turn, its verdict, a re-plan).
         missing_residuals: what ``train(resume_from_checkpoint=...)`` does with a
             checkpoint that holds no gradcomp state (saved by a dense run):
             ``"raise"`` (default) refuses it; ``"zero"`` warns and begins compressing
@@ -93,7 +94,7 @@ class GradcompCallback(TrainerCallback):
         self.options = options
         self.state: ddp.HookState | fsdp.FSDPState | None = None
         self._model = None  # the DDP wrapper the hook is on
-        self._plan_logged = False
+        self._plan_logged = ""  # the plan last logged, as logged
         # Bad settings fail here, not at the first step; which of DDP's or FSDP2's options
         # applies is known at train(): either's are taken now.
         hook_options = {*common.DDP_OPTIONS, *common.FSDP_OPTIONS}
@@ -151,9 +152,10 @@ class GradcompCallback(TrainerCallback):
         if self.options.get("measure_error"):
             values["gradcomp/relative_error"] = stats.relative_error
         plan = getattr(self.state, "plan", None)
-        if plan is not None and not self._plan_logged:
-            values["gradcomp/plan"] = "; ".join(f"{p.numel} {p.compressor} {p.how}" for p in plan)
-            self._plan_logged = True
+        if plan is not None:
+            text = "; ".join(f"{p.numel} {p.compressor} {p.how}" for p in plan)
+            if text != self._plan_logged:  # the first plan, and each one that replaces it
+                values["gradcomp/plan"] = self._plan_logged = text
         logs.update(values)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)  # Trainer copied logs into its history before this

@@ -8,6 +8,7 @@ when asked, and accumulation sends once per optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import logging.handlers
 import math
@@ -193,6 +194,49 @@ def _compiled_trains_compressed(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_torch_compile_compresses_the_ddp_under_the_compiled_module(tmp_path):
     run_ranks(_compiled_trains_compressed, 2, str(tmp_path))
+
+
+def _logs_each_plan(rank: int, world: int, root: str) -> tuple:
+    from tests.ddp.test_auto import REPLAN_PROFILES
+
+    _environment(rank, world)
+    callback = GradcompCallback(
+        "auto",
+        allow=("int8", "int4", "topk"),
+        profile=REPLAN_PROFILES[0],  # a slow link: compression pays
+        warmup_steps=2,
+        check_every=2,
+        trial_steps=0,
+        min_numel=0,
+    )
+
+    class FasterLink(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 5:  # a link on which dense wins: auto re-plans
+                auto = callback.state.auto
+                auto.options = dataclasses.replace(auto.options, profile=REPLAN_PROFILES[2])
+                if rank == 0:
+                    callback.state.replan()
+
+    trainer = _trainer(root, [callback, FasterLink()], max_steps=12)
+    trainer.train()
+    numels = [p.numel for p in callback.state.plan]
+    # The plan each step ran, as the callback writes it (steps 1-2: the warm-up's, no plan).
+    ran = {
+        s.step + 1: "; ".join(f"{n} {s.compressors[i]}" for i, n in enumerate(numels)) for s in callback.state.stats
+    }
+    logged = {e["step"]: e["gradcomp/plan"] for e in trainer.state.log_history if "gradcomp/plan" in e}
+    return ran, logged
+
+
+@pytest.mark.slow
+def test_auto_s_plan_is_logged_each_time_it_changes(tmp_path):
+    ran, logged = run_ranks(_logs_each_plan, 2, str(tmp_path))
+    plans = [ran[step] for step in sorted(ran) if step > 2]
+    assert len(set(plans)) == 2 and "dense" not in plans[0] and "int8" not in plans[-1], plans
+    changes = {step: ran[step] for step in sorted(ran) if step > 2 and ran[step] != ran.get(step - 1)}
+    first = min(changes)
+    assert logged == changes and first == 3, (logged, ran)
 
 
 def _told_to_pass_use_cpu(rank: int, world: int, root: str) -> None:
