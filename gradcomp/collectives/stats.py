@@ -43,7 +43,9 @@ class ReduceStats:
             the ``hierarchical`` algorithm (the flat ones do not know the
             nodes and leave both 0).
         inter_algorithm: the algorithm between nodes of a ``hierarchical`` one.
-        compressor: what ``all_reduce(t, "auto")`` chose (empty otherwise).
+        compressor: the compressor the call used, in the planner's format
+            (``"int8"``, ``"topk:ratio=0.05"``, ``"dense"``); with ``"auto"``,
+            the one it chose.
         tensor: the reduced tensor itself. A ``torch.futures.Future`` made
             for a CUDA device orders its waiters' streams only after the
             tensors it finds in its value (c10's ``Future::markCompleted``
