@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from gradcomp import compressors
 from gradcomp.compressors import Compressor, get_compressor
 
 # What ``auto`` may choose unless told: the compressors that kept accuracy on
@@ -18,7 +19,6 @@ def from_spec(spec: str | Compressor) -> Compressor:
 
 
 def label(compressor: Compressor) -> str:
-    """A short name: the compressor's name and the options that differ from its defaults."""
-    default = get_compressor(compressor.name).settings()
-    changed = {k: v for k, v in compressor.settings().items() if default.get(k) != v}
-    return compressor.name + "".join(f",{k}={v}" for k, v in sorted(changed.items())).replace(",", ":", 1)
+    """A short name: the compressor's name and the options that differ from its defaults
+    (:func:`gradcomp.compressors.label`, what the statistics call it)."""
+    return compressors.label(compressor)
