@@ -130,6 +130,26 @@ def test_plot_draws_again_what_each_script_drew(script):
     assert plot.drawer({"benchmark": script, "settings": {}, "curves": {}}) is not None
 
 
+def test_a_folded_sweep_keeps_each_run_whole_and_plot_names_them_as_before(tmp_path):
+    fold, plot = importlib.import_module("fold"), importlib.import_module("plot")
+    runs = {
+        "lr1e-3": {"benchmark": "x", "records": [{"loss": 1.5}]},
+        "lr2e-3": {"benchmark": "x", "records": []},
+    }
+    for key, document in runs.items():
+        (tmp_path / f"convergence-w2-{key}.json").write_text(json.dumps(document))
+    folded = tmp_path / "convergence-w2-lr-sweep.json"
+    files = sorted(str(path) for path in tmp_path.glob("convergence-w2-lr*.json"))
+    assert fold.main([str(folded), "--prefix", "convergence-w2-", *files]) == 0
+    document = json.loads(folded.read_text())
+    assert document["runs"] == runs and document["prefix"] == "convergence-w2-"
+    assert document["command"].startswith("python bench/fold.py ")
+    pngs = [png for _, png in plot.documents(str(folded))]
+    assert pngs == [str(tmp_path / f"convergence-w2-{key}.png") for key in runs]
+    with pytest.raises(SystemExit):  # a folded file is not folded again
+        fold.main([str(tmp_path / "again.json"), str(folded)])
+
+
 @pytest.mark.slow
 def test_every_script_has_help():
     for name in ("allreduce.py", "ddp_train.py", "convergence.py"):
