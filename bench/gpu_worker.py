@@ -404,7 +404,7 @@ def no_host_syncs(device: torch.device, width: int, entry: dict) -> None:
 def _finite_reads_counted(reads: list):
     """Within: the one host read CompressedAdam and DiLoCo make on purpose (whether a
     step's average is finite) runs outside the sync check and is counted in ``reads``."""
-    modules = (gradcomp.optim, gradcomp.diloco)
+    modules = (gradcomp.optim, gradcomp.diloco.outer_loop)  # where each reads its finite flag
     original = gradcomp.feedback.all_finite
 
     def counted(tensors):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import gradcomp
+from gradcomp.diloco.fragments import split, starting
 from tests.utils import run_ranks, same_on_all_ranks
 
 
@@ -349,9 +350,7 @@ def test_a_node_of_ddp_ranks_is_one_replica():
 def test_fragments_take_turns_each_every_sync_every_steps():
     """Streaming DiLoCo's schedule: F parts of about equal size, consecutive, each
     exchanged every H steps, their turns spread over the H steps."""
-    outer = gradcomp.DiLoCo.__new__(gradcomp.DiLoCo)  # the schedule alone, without a group
-    outer.sync_every, outer.fragments = 8, [[0], [1], [2], [3]]
-    turns = {step: outer._starts(step) for step in range(1, 17)}
+    turns = {step: starting(step, sync_every=8, count=4) for step in range(1, 17)}
     assert {step: f for step, f in turns.items() if f} == {
         2: [0],
         4: [1],
@@ -362,8 +361,7 @@ def test_fragments_take_turns_each_every_sync_every_steps():
         14: [2],
         16: [3],
     }
-    outer.fragments = [[0, 1, 2, 3]]
-    assert [step for step in range(1, 17) if outer._starts(step)] == [8, 16]
+    assert [step for step in range(1, 17) if starting(step, sync_every=8, count=1)] == [8, 16]
 
 
 @pytest.mark.parametrize(
@@ -376,7 +374,7 @@ def test_fragments_take_turns_each_every_sync_every_steps():
     ],
 )
 def test_fragments_are_consecutive_parameters_of_about_equal_size(sizes, count, expected):
-    assert gradcomp.diloco._split(sizes, count) == expected
+    assert split(sizes, count) == expected
 
 
 def _overlapped(rank: int, world: int) -> None:

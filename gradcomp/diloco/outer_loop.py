@@ -1,26 +1,16 @@
-"""DiLoCo: local steps, then a compressed average of the weights' change and an outer step.
+"""DiLoCo's outer loop: inner steps counted, each fragment's exchange started in its turn,
+landed, and the outer step taken on the anchor.
 
-Each rank trains on its own for ``sync_every`` inner steps. Then the ranks
-average their pseudo-gradients (the anchor, the weights every rank held after
-the last synchronisation, minus this rank's weights) through gradcomp's
-compressed all-reduce with error feedback, and an outer optimizer (SGD with
-Nesterov momentum) moves the anchor; every rank takes the new anchor as its
-weights. Replicas are identical after every synchronisation: every rank decodes
-the same average and applies the same outer step.
-
-With ``fragments=F`` (Streaming DiLoCo) the parameters are F parts that
-synchronise in turn, one about every ``sync_every / F`` steps, each still every
-``sync_every``; with ``overlap_steps=T`` a part's exchange runs on gradcomp's
-worker while training goes on, and its outer step lands T inner steps later,
-on top of what the rank learnt meanwhile. The anchors are then identical on
-every rank at every step, the weights after :meth:`DiLoCo.synchronize`.
+The fragments' schedule and the exchanges in flight are in
+:mod:`gradcomp.diloco.fragments`, the outer step's arithmetic in
+:mod:`gradcomp.diloco.outer_sgd`, the saved state's schema in
+:mod:`gradcomp.diloco.checkpoint`.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -31,33 +21,10 @@ from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
 from gradcomp.ddp import records
+from gradcomp.diloco.checkpoint import SCHEMA_VERSION, restored_exchange, saved_exchange, upgrade
+from gradcomp.diloco.fragments import Exchange, by_dtype, split, starting
+from gradcomp.diloco.outer_sgd import LearningRateSums, outer_step
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
-
-# 2: per-fragment outer steps and exchanges in flight (1 read with one fragment);
-# 3: the inner learning rates summed per fragment, for follow_inner_lr (1 and 2 read without it)
-SCHEMA_VERSION = 3
-
-
-class _Exchange:
-    """One fragment's pseudo-gradients on their way: one all-reduce per dtype."""
-
-    def __init__(self, fragment: int, lands: int):
-        self.fragment, self.lands = fragment, lands
-        self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, delta, work or None)
-        self.snapshot: list[torch.Tensor] | None = None  # the weights it was taken from (overlapped)
-        self.lr_sums: list[float] = []  # per inner group, the learning rates of its inner steps
-        self.stats: list[ReduceStats] = []  # of the parts waited for
-        self.bytes_sent = 0  # by this rank, the parts waited for (kept by a checkpoint)
-        self.log: UndoLog | None = None  # the residuals before it (None: restored from a checkpoint)
-
-    def wait(self) -> None:
-        """Wait for every part still on its way; keep its statistics."""
-        for n, (indices, delta, work) in enumerate(self.parts):
-            if work is not None:
-                stats = work.get_future().wait()
-                self.stats.append(stats)
-                self.bytes_sent += stats.bytes_sent
-                self.parts[n] = (indices, delta, None)
 
 
 class DiLoCo:
@@ -165,39 +132,8 @@ class DiLoCo:
         total_steps: int | None = None,
         **compressor_options,
     ):
-        if not _is_int(sync_every) or sync_every < 1:
-            raise ValueError(
-                f"sync_every must be an int >= 1 (inner steps between synchronisations), got {sync_every!r}"
-            )
-        if not _is_int(fragments) or fragments < 1:
-            raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
-        if not _is_int(overlap_steps) or not 0 <= overlap_steps < sync_every:
-            raise ValueError(
-                f"overlap_steps must be an int in [0, sync_every={sync_every}) (a fragment's exchange "
-                f"lands before its next one starts), got {overlap_steps!r}"
-            )
-        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
-            raise ValueError(
-                f"total_steps must be an int >= 1 (the run's inner steps) or None, got {total_steps!r}"
-            )
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "DiLoCo averages the weights itself: pass the module, not a DistributedDataParallel"
-            )
-        own = [
-            name
-            for name in inspect.signature(DiLoCo.__init__).parameters
-            if name not in ("self", "compressor_options")
-        ]
-        split_options(compressor, compressor_options, own, "gradcomp.DiLoCo")  # a typo: the nearest name said
-        chooser = as_chooser(compressor)
-        compressor = chooser or get_compressor(compressor, **compressor_options)
-        if not chooser:
-            check_hierarchy_options(compressor, algorithm, node_size, None)
+        _check_arguments(model, sync_every, fragments, overlap_steps, total_steps, outer_lr, outer_momentum)
+        compressor = _compressor(compressor, algorithm, node_size, compressor_options)
         self.model, self.inner, self.sync_every = model, inner, sync_every
         self.compressor, self.algorithm, self.group = compressor, algorithm, group
         self.node_size = node_size
@@ -209,31 +145,20 @@ class DiLoCo:
             raise ValueError(
                 f"fragments={fragments} is more than the model's {len(self.params)} trained parameters"
             )
-        self.fragments = _split([p.numel() for p in self.params], fragments)
+        self.fragments = split([p.numel() for p in self.params], fragments)
         self.overlap_steps = overlap_steps
         self.local_step = 0  # inner steps taken (step() calls)
         self.outer_steps = [0] * fragments  # synchronisations done, per fragment
-        self.in_flight: list[_Exchange] = []
+        self.in_flight: list[Exchange] = []
         self.bytes_sent = 0  # by this rank, every exchange landed so far
         self.feedback = ErrorFeedback()
         self.last_stats: ReduceStats | None = None
         self.follow_inner_lr = bool(follow_inner_lr)
         self.total_steps = total_steps
-        groups = {id(p): g for g, group in enumerate(inner.param_groups) for p in group["params"]}
-        self._group_of = [groups.get(id(p)) for p in self.params]  # None: the inner optimizer skips it
-        # Per fragment and inner group, the learning rates of the inner steps since its exchange.
-        self.lr_sums = [[0.0] * len(inner.param_groups) for _ in self.fragments]
-        self._lr_hook = inner.register_step_pre_hook(self._count_lr) if self.follow_inner_lr else None
-        ranks = InlineGroup(group)
-        device = self.params[0].device
-        wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
+        self.lr_sums = LearningRateSums(inner, self.params, fragments, self.follow_inner_lr)
         # total_steps may change between a checkpoint and its resume, not between ranks
         agreed = {**self.settings(), "total_steps": total_steps}
-        verify_settings(ranks, "gradcomp.DiLoCo's settings", agreed, device)
-        source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=source, group=group)
+        _agree_and_copy_rank_0(model, group, agreed, self.params[0].device)
         self.anchor = [p.detach().clone() for p in self.params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
@@ -243,7 +168,7 @@ class DiLoCo:
         return self.group
 
     def settings(self) -> dict:
-        """What every rank must agree on."""
+        """What every rank must agree on, and a checkpoint with the run that loads it."""
         return {
             "sync_every": self.sync_every,
             "compressor": repr(sorted(self.compressor.settings().items())),
@@ -256,26 +181,10 @@ class DiLoCo:
             "node_size": self.node_size,
         }
 
-    def _count_lr(self, optimizer, args, kwargs) -> None:
-        """(before each inner step) Add the learning rate it takes to every fragment's sums
-        (a tensor learning rate is added as a tensor: no host sync a step; :meth:`_start`
-        reads the sums once an exchange)."""
-        for sums in self.lr_sums:
-            for g, group in enumerate(optimizer.param_groups):
-                sums[g] = sums[g] + group["lr"]
-
-    def _read_lr_sums(self) -> list[list[float]]:
-        return [[float(x) for x in sums] for sums in self.lr_sums]
-
     @property
     def outer_step(self) -> int:
         """Synchronisations of the whole model done (of its last fragment)."""
         return self.outer_steps[-1]
-
-    def _starts(self, step: int) -> list[int]:
-        """The fragments whose exchange starts at inner step ``step``."""
-        h, count = self.sync_every, len(self.fragments)
-        return [f for f in range(count) if step % h == (f + 1) * h // count % h]
 
     @torch.no_grad()
     def step(self) -> ReduceStats | None:
@@ -297,7 +206,7 @@ class DiLoCo:
         stats = None
         for exchange in [e for e in self.in_flight if e.lands == self.local_step]:
             stats = self._land(exchange)
-        for fragment in self._starts(self.local_step):
+        for fragment in starting(self.local_step, self.sync_every, len(self.fragments)):
             exchange = self._start(fragment, self.local_step + self.overlap_steps)
             if not self.overlap_steps:
                 stats = self._land(exchange)
@@ -326,11 +235,10 @@ class DiLoCo:
             stats = self._land(self._start(fragment, self.local_step), average=average)
         return stats
 
-    def _start(self, fragment: int, lands: int) -> _Exchange:
+    def _start(self, fragment: int, lands: int) -> Exchange:
         """Send fragment's pseudo-gradients (anchor - weights) into the all-reduce."""
-        exchange = _Exchange(fragment, lands)
-        exchange.lr_sums = [float(x) for x in self.lr_sums[fragment]]
-        self.lr_sums[fragment] = [0.0] * len(self.lr_sums[fragment])
+        exchange = Exchange(fragment, lands)
+        exchange.lr_sums = self.lr_sums.take(fragment)
         indices = self.fragments[fragment]
         if lands > self.local_step:  # training goes on: what it learns meanwhile is kept
             exchange.snapshot = [self.params[i].detach().clone() for i in indices]
@@ -338,10 +246,10 @@ class DiLoCo:
         if self.node_size is not None:
             options["node_size"] = self.node_size
         exchange.log = UndoLog(self.feedback)
-        for dtype in sorted({self.params[i].dtype for i in indices}, key=str):
-            typed = [i for i in indices if self.params[i].dtype == dtype]
+        for typed in by_dtype(indices, self.params):
+            dtype = str(self.params[typed[0]].dtype)
             delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in typed])
-            name = ("diloco", str(dtype)) if len(self.fragments) == 1 else ("diloco", fragment, str(dtype))
+            name = ("diloco", dtype) if len(self.fragments) == 1 else ("diloco", fragment, dtype)
             with exchange.log.recording():
                 work = all_reduce(
                     delta,
@@ -359,7 +267,7 @@ class DiLoCo:
         self.in_flight.append(exchange)
         return exchange
 
-    def _land(self, exchange: _Exchange, average: bool = False) -> ReduceStats | None:
+    def _land(self, exchange: Exchange, average: bool = False) -> ReduceStats | None:
         """Wait for the average, take the outer step on the anchor (``average``: subtract
         the average, no outer step), load the weights."""
         exchange.wait()
@@ -367,35 +275,30 @@ class DiLoCo:
         if stats is not None:
             self.last_stats = stats
         self.bytes_sent += exchange.bytes_sent
-        if not all_finite([delta for _, delta, _ in exchange.parts]):
+        if not all_finite(exchange.deltas()):
             self._refuse(exchange)
         first = self.outer_steps[exchange.fragment] == 0
-        for indices, delta, _ in exchange.parts:
-            offset = 0
-            for i in indices:
-                numel = self.params[i].numel()
-                part = delta[offset : offset + numel].view_as(self.params[i])
-                if average:
-                    self.anchor[i].sub_(part)
-                else:
-                    lr_sum = None
-                    if self.follow_inner_lr:
-                        group = self._group_of[i]
-                        lr_sum = exchange.lr_sums[group] if group is not None else 0.0
-                    self._outer(i, part, first, lr_sum)
-                offset += numel
-        indices = self.fragments[exchange.fragment]
-        if exchange.snapshot is None:
-            for i in indices:
-                self.params[i].copy_(self.anchor[i])
-        else:  # the new anchor, and what this rank learnt since the exchange started
-            for i, taken in zip(indices, exchange.snapshot, strict=True):
-                self.params[i].sub_(taken).add_(self.anchor[i])
+        for i, part in exchange.per_parameter(self.params):
+            if average:
+                self.anchor[i].sub_(part)
+            else:
+                lr_sum = self.lr_sums.of(i, exchange.lr_sums)
+                outer_step(
+                    self.anchor[i],
+                    self.momentum[i],
+                    part,
+                    lr=self.outer_lr,
+                    momentum=self.outer_momentum,
+                    nesterov=self.nesterov,
+                    first=first,
+                    lr_sum=lr_sum,
+                )
+        exchange.load_weights(self.fragments[exchange.fragment], self.params, self.anchor)
         self.outer_steps[exchange.fragment] += 1
         self.in_flight.remove(exchange)
         return stats
 
-    def _refuse(self, exchange: _Exchange) -> None:
+    def _refuse(self, exchange: Exchange) -> None:
         """Raise ``FloatingPointError`` for an exchange whose average is not finite (on every
         rank: a non-finite pseudo-gradient on any rank reaches every rank's average), its
         fragment set back to the anchor first: DiLoCo's state as before the exchange, the
@@ -405,7 +308,7 @@ class DiLoCo:
         indices = self.fragments[exchange.fragment]
         for i in indices:
             self.params[i].copy_(self.anchor[i])
-        self.lr_sums[exchange.fragment] = [0.0] * len(self.lr_sums[exchange.fragment])
+        self.lr_sums.clear(exchange.fragment)
         self.in_flight.remove(exchange)
         raise FloatingPointError(
             f"DiLoCo: the replicas' average pseudo-gradient of fragment {exchange.fragment} holds NaN or "
@@ -415,27 +318,6 @@ class DiLoCo:
             "set back to the anchor on every rank; the inner optimizer's state may hold NaN: load it "
             "(or the last checkpoint) before going on"
         )
-
-    def _outer(self, i: int, gradient: torch.Tensor, first: bool, lr_sum: float | None = None) -> None:
-        """SGD with (Nesterov) momentum on the anchor, as ``torch.optim.SGD`` takes it; with
-        ``lr_sum`` (follow_inner_lr) the buffer sums ``gradient / lr_sum`` and its part of
-        the step is scaled by ``lr_sum`` (a period without learning rate adds nothing)."""
-        update, scale = gradient, 1.0 if lr_sum is None else lr_sum
-        if self.outer_momentum:
-            buffer = self.momentum[i]
-            if scale == 1.0:
-                added = gradient
-            else:  # a period without learning rate adds nothing
-                added = gradient / scale if scale > 0 else torch.zeros_like(gradient)
-            if first:
-                buffer.copy_(added)
-            else:
-                buffer.mul_(self.outer_momentum).add_(added)
-            if self.nesterov:
-                update = gradient.add(buffer, alpha=self.outer_momentum * scale)
-            else:
-                update = buffer if scale == 1.0 else buffer.mul(scale)
-        self.anchor[i].add_(update, alpha=-self.outer_lr)
 
     def state_dict(self) -> dict:
         """Everything a rank needs to resume bit for bit, mid-way and mid-fragment too:
@@ -456,21 +338,11 @@ class DiLoCo:
             "bytes_sent": self.bytes_sent,
             "anchor": [t.clone() for t in self.anchor],
             "momentum": [t.clone() for t in self.momentum],
-            "lr_sums": self._read_lr_sums(),
+            "lr_sums": self.lr_sums.read(),
             "feedback": self.feedback.state_dict(),
             "weights": [p.detach().clone() for p in self.params],
             "inner": copy.deepcopy(self.inner.state_dict()),
-            "in_flight": [
-                {
-                    "fragment": e.fragment,
-                    "lands": e.lands,
-                    "deltas": [delta.clone() for _, delta, _ in e.parts],
-                    "snapshot": None if e.snapshot is None else [t.clone() for t in e.snapshot],
-                    "bytes_sent": e.bytes_sent,
-                    "lr_sums": list(e.lr_sums),
-                }
-                for e in self.in_flight
-            ],
+            "in_flight": [saved_exchange(exchange) for exchange in self.in_flight],
         }
 
     @torch.no_grad()
@@ -488,11 +360,11 @@ class DiLoCo:
         device = self.params[0].device
         counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        lr_sums = torch.tensor(self._read_lr_sums(), dtype=torch.float64, device=device)
+        lr_sums = torch.tensor(self.lr_sums.read(), dtype=torch.float64, device=device)
         for tensor in [*self.params, *self.anchor, *self.momentum, counters, lr_sums]:
             dist.broadcast(tensor, src=source, group=self.group)
         self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())
-        self.lr_sums = lr_sums.tolist()
+        self.lr_sums.load(lr_sums.tolist())
 
     def _restore_own(self, saved: dict | None) -> None:
         """This rank's ``saved`` state where it has one, without its residuals or exchanges."""
@@ -500,33 +372,15 @@ class DiLoCo:
             self.load_state_dict({**saved, "feedback": ErrorFeedback().state_dict(), "in_flight": []})
 
     def load_state_dict(self, saved: dict) -> None:
-        version = saved.get("version")
-        ours = self.settings()
-        if version == 1:
-            if ours["fragments"] != 1 or ours["overlap_steps"]:
-                raise ValueError(
-                    "a DiLoCo state of schema 1 (one fragment, no overlap) loads only into one fragment "
-                    "without overlap"
-                )
-            saved = {**saved, "outer_steps": [saved["outer_step"]], "in_flight": [], "bytes_sent": 0}
-            saved["settings"] = {**saved["settings"], "fragments": 1, "overlap_steps": 0}
-        elif version not in (2, SCHEMA_VERSION):
-            raise ValueError(f"DiLoCo state of schema {version!r}; this version reads 1 to {SCHEMA_VERSION}")
-        if version in (1, 2):  # before follow_inner_lr: DiLoCo's outer step
-            saved = {**saved, "settings": {**saved["settings"], "follow_inner_lr": False}}
-        saved = {**saved, "settings": {"node_size": None, **saved["settings"]}}  # saved before node_size
-        if saved["settings"] != ours:
-            differ = sorted(k for k, v in ours.items() if saved["settings"].get(k) != v)
-            hint = ""
-            if version in (1, 2) and "follow_inner_lr" in differ:
-                hint = " (saved before follow_inner_lr: make DiLoCo with follow_inner_lr=False to resume it)"
-            raise ValueError(f"the checkpoint's DiLoCo settings differ in {differ}{hint}")
+        """Resume from :meth:`state_dict` (of this schema or an earlier one), made with the
+        same settings."""
+        saved = upgrade(saved, self.settings())
         for exchange in self.in_flight:  # nothing of this run may still write a residual
             exchange.wait()
         self.local_step = int(saved["local_step"])
         self.outer_steps = [int(n) for n in saved["outer_steps"]]
         if "lr_sums" in saved:
-            self.lr_sums = [[float(x) for x in sums] for sums in saved["lr_sums"]]
+            self.lr_sums.load(saved["lr_sums"])
         self.bytes_sent = int(saved["bytes_sent"])
         own = saved.get("weights", [])  # schema 1 held neither: the caller loaded them
         with torch.no_grad():
@@ -539,35 +393,67 @@ class DiLoCo:
         if "inner" in saved:
             self.inner.load_state_dict(saved["inner"])
         self.feedback.load_state_dict(saved["feedback"])
-        self.in_flight = []
-        device = self.params[0].device
-        for entry in saved["in_flight"]:
-            exchange = _Exchange(int(entry["fragment"]), int(entry["lands"]))
-            indices = self.fragments[exchange.fragment]
-            dtypes = sorted({self.params[i].dtype for i in indices}, key=str)
-            for dtype, delta in zip(dtypes, entry["deltas"], strict=True):
-                typed = [i for i in indices if self.params[i].dtype == dtype]
-                exchange.parts.append((typed, delta.to(device), None))
-            if entry["snapshot"] is not None:
-                exchange.snapshot = [t.to(device) for t in entry["snapshot"]]
-            exchange.bytes_sent = int(entry["bytes_sent"])
-            exchange.lr_sums = [float(x) for x in entry.get("lr_sums", [])]
-            self.in_flight.append(exchange)
+        self.in_flight = [
+            restored_exchange(entry, self.fragments, self.params) for entry in saved["in_flight"]
+        ]
+
+
+def _check_arguments(
+    model, sync_every, fragments, overlap_steps, total_steps, outer_lr, outer_momentum
+) -> None:
+    if not _is_int(sync_every) or sync_every < 1:
+        raise ValueError(
+            f"sync_every must be an int >= 1 (inner steps between synchronisations), got {sync_every!r}"
+        )
+    if not _is_int(fragments) or fragments < 1:
+        raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
+    if not _is_int(overlap_steps) or not 0 <= overlap_steps < sync_every:
+        raise ValueError(
+            f"overlap_steps must be an int in [0, sync_every={sync_every}) (a fragment's exchange "
+            f"lands before its next one starts), got {overlap_steps!r}"
+        )
+    if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+        raise ValueError(
+            f"total_steps must be an int >= 1 (the run's inner steps) or None, got {total_steps!r}"
+        )
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("DiLoCo averages the weights itself: pass the module, not a DistributedDataParallel")
+
+
+def _agree_and_copy_rank_0(model: torch.nn.Module, group, settings: dict, device: torch.device) -> None:
+    """Wait for every rank of ``group``, check that they agree on ``settings``, then give
+    every rank group rank 0's parameters and buffers."""
+    ranks = InlineGroup(group)
+    wait_for_every_rank(group, "DiLoCo")  # a rank that never makes one: said, not hung
+    verify_settings(ranks, "gradcomp.DiLoCo's settings", settings, device)
+    source = dist.get_global_rank(ranks.group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=group)
+
+
+def _compressor(
+    compressor, algorithm: str | None, node_size: int | None, options: dict
+) -> Compressor | Chooser:
+    """The compressor (or ``"auto"``'s chooser) ``compressor`` and its ``options`` name; a
+    misspelt option of DiLoCo's or the compressor's is named with the nearest one."""
+    own = [
+        name
+        for name in inspect.signature(DiLoCo.__init__).parameters
+        if name not in ("self", "compressor_options")
+    ]
+    split_options(compressor, options, own, "gradcomp.DiLoCo")
+    chooser = as_chooser(compressor)
+    if chooser:
+        return chooser
+    compressor = get_compressor(compressor, **options)
+    check_hierarchy_options(compressor, algorithm, node_size, None)
+    return compressor
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _split(sizes: list[int], count: int) -> list[list[int]]:
-    """``count`` runs of consecutive indices of ``sizes``, none empty, each cut where the
-    running total comes closest to its share of the whole."""
-    total, cumulative = sum(sizes), list(itertools.accumulate(sizes))
-    cuts, first = [], 0
-    for k in range(1, count):
-        last = len(sizes) - (count - k) - 1  # leaves an index for each run still to come
-        cut = min(range(first, last + 1), key=lambda j: (abs(cumulative[j] * count - total * k), j))
-        cuts.append(cut)
-        first = cut + 1
-    bounds = [-1, *cuts, len(sizes) - 1]
-    return [list(range(a + 1, b + 1)) for a, b in zip(bounds, bounds[1:], strict=False)]
