@@ -20,7 +20,8 @@ The package, one concern a module: :mod:`~gradcomp.diloco.outer_loop`
 :mod:`~gradcomp.diloco.fragments` (which parameters a fragment holds, its turn,
 an exchange on its way), :mod:`~gradcomp.diloco.outer_sgd` (the outer step's
 arithmetic and the inner learning rates it follows) and
-:mod:`~gradcomp.diloco.checkpoint` (the saved state's schema).
+:mod:`~gradcomp.diloco.checkpoint` (the saved state, its schema, a restart on
+another world size).
 """
 
 from gradcomp.diloco.checkpoint import SCHEMA_VERSION

@@ -3,13 +3,12 @@ landed, and the outer step taken on the anchor.
 
 The fragments' schedule and the exchanges in flight are in
 :mod:`gradcomp.diloco.fragments`, the outer step's arithmetic in
-:mod:`gradcomp.diloco.outer_sgd`, the saved state's schema in
+:mod:`gradcomp.diloco.outer_sgd`, the saved state and a restart on another world size in
 :mod:`gradcomp.diloco.checkpoint`.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -20,8 +19,7 @@ from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
-from gradcomp.ddp import records
-from gradcomp.diloco.checkpoint import SCHEMA_VERSION, restored_exchange, saved_exchange, upgrade
+from gradcomp.diloco import checkpoint
 from gradcomp.diloco.fragments import Exchange, by_dtype, split, starting
 from gradcomp.diloco.outer_sgd import LearningRateSums, outer_step
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
@@ -328,22 +326,12 @@ class DiLoCo:
         plain tensors for all ranks). ``gradcomp.ddp.Checkpointable(outer)`` puts it under
         this rank's key for ``torch.distributed.checkpoint``; load it after the model and
         the optimizer."""
-        for exchange in self.in_flight:
-            exchange.wait()
-        return {
-            "version": SCHEMA_VERSION,
-            "settings": self.settings(),
-            "local_step": self.local_step,
-            "outer_steps": list(self.outer_steps),
-            "bytes_sent": self.bytes_sent,
-            "anchor": [t.clone() for t in self.anchor],
-            "momentum": [t.clone() for t in self.momentum],
-            "lr_sums": self.lr_sums.read(),
-            "feedback": self.feedback.state_dict(),
-            "weights": [p.detach().clone() for p in self.params],
-            "inner": copy.deepcopy(self.inner.state_dict()),
-            "in_flight": [saved_exchange(exchange) for exchange in self.in_flight],
-        }
+        return checkpoint.state_of(self)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Resume from :meth:`state_dict` (of this schema or an earlier one) saved with the
+        same settings."""
+        checkpoint.load(self, saved)
 
     @torch.no_grad()
     def restart(self, saved: dict | None) -> None:
@@ -351,51 +339,7 @@ class DiLoCo:
         mismatch="drop")``): this rank's saved state where it has one, without its
         residuals or exchanges in flight; then group rank 0's weights, anchor, momentum
         and steps on every rank, so that the ranks agree again. Every rank calls it."""
-        for exchange in self.in_flight:
-            exchange.wait()
-        # Before the broadcasts: a saved state refused on the ranks that have one (other
-        # settings) must fail the ranks that have none too, not leave them in a broadcast.
-        records.on_every_rank(self.group, lambda: (self._restore_own(saved), None))
-        self.feedback, self.in_flight = ErrorFeedback(), []
-        device = self.params[0].device
-        counters = torch.tensor([self.local_step, *self.outer_steps], dtype=torch.int64, device=device)
-        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        lr_sums = torch.tensor(self.lr_sums.read(), dtype=torch.float64, device=device)
-        for tensor in [*self.params, *self.anchor, *self.momentum, counters, lr_sums]:
-            dist.broadcast(tensor, src=source, group=self.group)
-        self.local_step, *self.outer_steps = (int(n) for n in counters.tolist())
-        self.lr_sums.load(lr_sums.tolist())
-
-    def _restore_own(self, saved: dict | None) -> None:
-        """This rank's ``saved`` state where it has one, without its residuals or exchanges."""
-        if saved is not None:
-            self.load_state_dict({**saved, "feedback": ErrorFeedback().state_dict(), "in_flight": []})
-
-    def load_state_dict(self, saved: dict) -> None:
-        """Resume from :meth:`state_dict` (of this schema or an earlier one), made with the
-        same settings."""
-        saved = upgrade(saved, self.settings())
-        for exchange in self.in_flight:  # nothing of this run may still write a residual
-            exchange.wait()
-        self.local_step = int(saved["local_step"])
-        self.outer_steps = [int(n) for n in saved["outer_steps"]]
-        if "lr_sums" in saved:
-            self.lr_sums.load(saved["lr_sums"])
-        self.bytes_sent = int(saved["bytes_sent"])
-        own = saved.get("weights", [])  # schema 1 held neither: the caller loaded them
-        with torch.no_grad():
-            for mine, theirs in zip(
-                [*self.anchor, *self.momentum, *(self.params if own else [])],
-                [*saved["anchor"], *saved["momentum"], *own],
-                strict=True,
-            ):
-                mine.copy_(theirs)
-        if "inner" in saved:
-            self.inner.load_state_dict(saved["inner"])
-        self.feedback.load_state_dict(saved["feedback"])
-        self.in_flight = [
-            restored_exchange(entry, self.fragments, self.params) for entry in saved["in_flight"]
-        ]
+        checkpoint.restart(self, saved)
 
 
 def _check_arguments(
