@@ -189,14 +189,15 @@ def adam_steps(device: torch.device, numel: int, synchronized: bool) -> tuple[li
     ``synchronized``: every wait on an all-reduce also synchronizes the device."""
     params = [torch.nn.Parameter(random(numel // 4, device, seed=10 + i)) for i in range(4)]
     optimizer = gradcomp.optim.CompressedAdam(params, lr=1e-2, compressor="int8", warmup_steps=1)
-    original = gradcomp.optim.all_reduce
+    exchanging = gradcomp.optim.compressed_adam  # the module whose all_reduce CompressedAdam calls
+    original = exchanging.all_reduce
 
     def all_reduce(*args, **kwargs):
         work = original(*args, **kwargs)
         return _SynchronizedWork(work, device) if kwargs.get("async_op") else work
 
     sums = []
-    with mock.patch.object(gradcomp.optim, "all_reduce", all_reduce if synchronized else original):
+    with mock.patch.object(exchanging, "all_reduce", all_reduce if synchronized else original):
         for step in range(2):
             for i, p in enumerate(params):
                 p.grad = random(p.numel(), device, seed=100 * step + i)
@@ -404,7 +405,7 @@ def no_host_syncs(device: torch.device, width: int, entry: dict) -> None:
 def _finite_reads_counted(reads: list):
     """Within: the one host read CompressedAdam and DiLoCo make on purpose (whether a
     step's average is finite) runs outside the sync check and is counted in ``reads``."""
-    modules = (gradcomp.optim, gradcomp.diloco.outer_loop)  # where each reads its finite flag
+    modules = (gradcomp.optim.compressed_adam, gradcomp.diloco.outer_loop)  # where each reads the flag
     original = gradcomp.feedback.all_finite
 
     def counted(tensors):

@@ -1,99 +1,31 @@
-"""Adam that owns its communication: compressed updates after a warm-up.
+"""CompressedAdam: AdamW whose ranks exchange compressed updates once the second moment is
+frozen; the step, each bucket's exchange and the skip of a non-finite step.
 
-After a warm-up, Adam's second moment changes slowly; freezing it makes the
-update linear in the momentum, so each rank can fold its own gradient into
-the shared momentum and the ranks exchange their updates compressed, with
-error feedback, instead of the gradient.
-
-:class:`CompressedAdam` runs in two phases, the same on every rank:
-
-* **warm-up** (steps ``1 .. warmup_steps``): the gradients are averaged
-  (densely, or through ``gradient_compressor``) and the update is AdamW's,
-  operation for operation;
-* **compressed** (later steps): the second moment ``v`` is frozen at the
-  warm-up's end, so the denominator ``d = sqrt(v / (1 - b2^warmup)) + eps``
-  is a constant; each rank forms ``m_i = b1 m + (1 - b1) g_i`` from the
-  shared momentum ``m`` and its own gradient, the ranks average ``m_i / d``
-  (each rank's update) through ``compressor``, error feedback keeping what
-  it dropped on each rank, and every rank applies the average and keeps
-  ``m = average * d``.
-
-A parameter group with ``compressor=None`` never freezes: its gradients are
-averaged at every step and it stays AdamW (keep embeddings and norms exact
-this way).
-
-Gradients are the ranks' own: call ``backward`` without DDP's all-reduce
-(no DDP, or inside ``no_sync()``) and let ``step()`` communicate. Clip or
-scale gradients with that in mind: before ``step()`` they are not averaged.
+The phases' arithmetic is in :mod:`gradcomp.optim.phases`, the buckets in
+:mod:`gradcomp.optim.layout`, a group's compressors as saved in
+:mod:`gradcomp.optim.checkpoint`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import math
 import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import all_reduce, check_algorithm, key_of, settings_key
+from gradcomp.collectives import all_reduce, check_algorithm, key_of
 from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.compressors import Compressor, NoCompression, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
+from gradcomp.optim import phases
+from gradcomp.optim.checkpoint import COMPRESSOR_KEYS, saved_settings
+from gradcomp.optim.layout import Bucket, gradients, make_buckets, views
 
 __all__ = ["CompressedAdam"]
 
 _DENSE = NoCompression()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Bucket:
-    """Parameters of one group, device and dtype, exchanged as one flat tensor."""
-
-    index: int
-    group: int
-    params: tuple[torch.Tensor, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-
-def _fill_unseen(squares: list[torch.Tensor]) -> None:
-    """Give elements whose second moment is still zero when it freezes their
-    tensor's mean (the mean over every frozen tensor for a tensor of zeros).
-
-    Zero means no gradient reached the element in the warm-up (a row never
-    looked up, a value a compressed warm-up rounded to zero every time):
-    frozen, it would divide every later step by ``eps``. Once, without a host sync.
-    """
-    counts = [(v > 0).sum() for v in squares]
-    sums = [v.sum() for v in squares]
-    overall = torch.stack(sums).sum() / torch.stack(counts).sum().clamp_min(1)
-    for v, total, count in zip(squares, sums, counts, strict=True):
-        fill = torch.where(count > 0, total / count.clamp_min(1), overall).to(v.dtype)
-        v.copy_(torch.where(v > 0, v, fill))
-
-
-def _denominators(squares: list[torch.Tensor], group: dict, second_step: int) -> list[torch.Tensor]:
-    """AdamW's ``sqrt(v / (1 - beta2^t)) + eps``, as torch computes it."""
-    denominators = torch._foreach_sqrt(squares)
-    torch._foreach_div_(denominators, math.sqrt(1 - group["betas"][1] ** second_step))
-    torch._foreach_add_(denominators, group["eps"])
-    return denominators
-
-
-_COMPRESSOR_KEYS = ("compressor", "gradient_compressor")
-
-
-def _settings(compressor) -> str | None:
-    """A group's compressor as saved: its settings (None for none)."""
-    if compressor is None or isinstance(compressor, str):
-        return compressor
-    return settings_key(compressor)
-
 
 _NOT_OPTIONS = ("self", "params", "compressor_options")
 
@@ -171,20 +103,7 @@ class CompressedAdam(torch.optim.Optimizer):
             own = [n for n in inspect.signature(CompressedAdam.__init__).parameters if n not in _NOT_OPTIONS]
             split_options(compressor, compressor_options, own, "gradcomp.optim.CompressedAdam")
             compressor = get_compressor(compressor, **compressor_options)
-        if not 0.0 <= lr:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "CompressedAdam exchanges gradients: call torch.distributed.init_process_group first"
-            )
+        _check_arguments(lr, betas, eps, warmup_steps, bucket_mb)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -206,7 +125,7 @@ class CompressedAdam(torch.optim.Optimizer):
             )
         if algorithm is not None:  # refused now, not when the warm-up ends
             for g in self.param_groups:
-                for name in _COMPRESSOR_KEYS:
+                for name in COMPRESSOR_KEYS:
                     if g[name] is not None:
                         check_algorithm(g[name], algorithm)
         self.warmup_steps = warmup_steps
@@ -216,36 +135,11 @@ class CompressedAdam(torch.optim.Optimizer):
         self.steps_done = 0
         self.last_bytes_sent = 0
         self.skipped_steps = 0  # steps whose average was not finite (not saved: a statistic)
-        self._buckets = self._make_buckets(int(bucket_mb * 2**20))
+        self._buckets = make_buckets(self.param_groups, int(bucket_mb * 2**20))
         self._agreed = False
         wait_for_every_rank(group, "CompressedAdam")  # a rank that never makes one: said, not hung
         if broadcast:
             self._broadcast()
-
-    # ------------------------------------------------------------------ layout
-
-    def _make_buckets(self, cap: int) -> list[_Bucket]:
-        """Trained parameters (``requires_grad``) in runs of at most ``cap`` bytes per
-        (group, device, dtype); the same on every rank that was given the same model."""
-        buckets: list[_Bucket] = []
-        for gi, g in enumerate(self.param_groups):
-            by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
-            sizes: dict[tuple, int] = {}
-            for p in g["params"]:
-                if not p.requires_grad:  # frozen: AdamW would not touch it either
-                    continue
-                kind, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
-                runs = by_kind.setdefault(kind, [[]])
-                if runs[-1] and sizes[kind] + nbytes > cap:
-                    runs.append([])
-                    sizes[kind] = 0
-                runs[-1].append(p)
-                sizes[kind] = sizes.get(kind, 0) + nbytes
-            for runs in by_kind.values():
-                for run in runs:
-                    if run:
-                        buckets.append(_Bucket(len(buckets), gi, tuple(run)))
-        return buckets
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "_buckets"):  # the buckets, and the ranks' agreement, are fixed at construction
@@ -259,26 +153,7 @@ class CompressedAdam(torch.optim.Optimizer):
             for p in g["params"]:
                 dist.broadcast(p.data, source, group=self.process_group)
 
-    @staticmethod
-    def _views(flat: torch.Tensor, bucket: _Bucket) -> list[torch.Tensor]:
-        return [
-            part.view_as(p)
-            for part, p in zip(flat.split([p.numel() for p in bucket.params]), bucket.params, strict=True)
-        ]
-
-    @staticmethod
-    def _grads(bucket: _Bucket) -> list[torch.Tensor]:
-        grads = []
-        for p in bucket.params:
-            if p.grad is None:  # every rank exchanges every bucket: a missing gradient is zero
-                grads.append(torch.zeros_like(p))
-            elif p.grad.is_sparse:
-                raise RuntimeError("CompressedAdam does not take sparse gradients")
-            else:
-                grads.append(p.grad)
-        return grads
-
-    def _moments(self, bucket: _Bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _moments(self, bucket: Bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         averages, squares = [], []
         for p in bucket.params:
             state = self.state[p]
@@ -309,7 +184,7 @@ class CompressedAdam(torch.optim.Optimizer):
         if step == self.warmup_steps + 1:  # again after a skipped step: it changes nothing then
             squares = [v for b in self._buckets if self.frozen(b.group, step) for v in self._moments(b)[1]]
             if squares:
-                _fill_unseen(squares)
+                phases.fill_unseen(squares)
         pending, log = [], UndoLog(self.feedback)
         with log.recording():  # the residuals as they were, should the step be skipped
             for bucket in self._buckets:
@@ -331,7 +206,7 @@ class CompressedAdam(torch.optim.Optimizer):
         self.steps_done = step
         return loss
 
-    def _exchange(self, bucket: _Bucket, step: int) -> tuple:
+    def _exchange(self, bucket: Bucket, step: int) -> tuple:
         """Start bucket's exchange at ``step``: ``(bucket, flat, work, denominators)``, the
         flat tensor the average lands in, its work, and the frozen denominators (None in
         the warm-up and for a group without a compressor)."""
@@ -339,24 +214,14 @@ class CompressedAdam(torch.optim.Optimizer):
         averages, squares = self._moments(bucket)
         denominators = None
         if self.frozen(bucket.group, step):
-            # Exchanged: each rank's momentum over the frozen denominator, the
-            # update itself; the compressor's error then weighs alike on every
-            # element (unscaled, an element with a small second moment would
-            # take the error its block's large ones bring, magnified).
-            beta1 = g["betas"][0]
-            denominators = _denominators(squares, g, self.warmup_steps)
-            local = torch._foreach_lerp(averages, self._grads(bucket), 1 - beta1)
-            torch._foreach_div_(local, denominators)
-            flat = torch.cat([u.reshape(-1) for u in local])
-            leftover = self.feedback.pop(key_of(("gradient", bucket.index)))
-            if leftover is not None:  # what the warm-up's exchange still owed enters the momentum
-                if leftover.is_cuda:  # allocated on the worker's stream, freed after this read
-                    leftover.record_stream(torch.cuda.current_stream(leftover.device))
-                owed = leftover.to(flat) / torch.cat([d.reshape(-1) for d in denominators])
-                flat.add_(owed, alpha=1 - beta1)
+            # Exchanged: each rank's momentum over the frozen denominator, the update itself,
+            # with what the warm-up's exchange still owed.
+            denominators = phases.denominators(squares, g, self.warmup_steps)
+            owed = self.feedback.pop(key_of(("gradient", bucket.index)))
+            flat = phases.scaled_momentum(averages, gradients(bucket), denominators, g["betas"][0], owed)
             compressor, key = g["compressor"], ("momentum", bucket.index)
         else:
-            flat = torch.cat([x.reshape(-1) for x in self._grads(bucket)])
+            flat = torch.cat([x.reshape(-1) for x in gradients(bucket)])
             compressor, key = g["gradient_compressor"] or _DENSE, ("gradient", bucket.index)
         work = all_reduce(
             flat,
@@ -378,12 +243,12 @@ class CompressedAdam(torch.optim.Optimizer):
             self.warmup_steps,
             self.algorithm,
             [b.numel for b in self._buckets],
-            [tuple(_settings(g[k]) for k in _COMPRESSOR_KEYS) for g in self.param_groups],
+            [tuple(saved_settings(g[k]) for k in COMPRESSOR_KEYS) for g in self.param_groups],
         )
         # The gradients' sums, to tell whether something reduced them already (below): summed
         # in fp64 without a copy, read back in one transfer.
         totals = [
-            torch.stack([g.sum(dtype=torch.float64) for g in self._grads(b)]).sum() for b in self._buckets
+            torch.stack([g.sum(dtype=torch.float64) for g in gradients(b)]).sum() for b in self._buckets
         ]
         one_device = len({t.device for t in totals}) == 1
         sums = torch.stack(totals).tolist() if one_device else [float(t) for t in totals]
@@ -408,28 +273,16 @@ class CompressedAdam(torch.optim.Optimizer):
             raise ValueError(f"ranks disagree on the CompressedAdam settings:\n{lines}")
         self._agreed = True
 
-    def _update(self, bucket: _Bucket, flat: torch.Tensor, step: int, denominators) -> None:
+    def _update(self, bucket: Bucket, flat: torch.Tensor, step: int, denominators) -> None:
         """AdamW's update from the averaged gradient ``flat``; with the frozen
         ``denominators``, the update from the averaged scaled momentum ``flat``."""
         g = self.param_groups[bucket.group]
-        lr, (beta1, beta2), decay = g["lr"], g["betas"], g["weight_decay"]
-        params = list(bucket.params)
         averages, squares = self._moments(bucket)
-        exchanged = self._views(flat, bucket)
-        step_size = lr / (1 - beta1**step)
+        exchanged = views(flat, bucket)
         if denominators is not None:
-            if decay != 0:
-                torch._foreach_mul_(params, 1 - lr * decay)
-            torch._foreach_add_(params, exchanged, alpha=-step_size)
-            torch._foreach_mul_(exchanged, denominators)  # the flat buffer is spent: m = update * d
-            torch._foreach_copy_(averages, exchanged)
-            return
-        torch._foreach_lerp_(averages, exchanged, 1 - beta1)
-        torch._foreach_mul_(squares, beta2)
-        torch._foreach_addcmul_(squares, exchanged, exchanged, 1 - beta2)
-        if decay != 0:
-            torch._foreach_mul_(params, 1 - lr * decay)
-        torch._foreach_addcdiv_(params, averages, _denominators(squares, g, step), -step_size)
+            phases.frozen_step(list(bucket.params), averages, exchanged, denominators, g, step)
+        else:
+            phases.adamw_step(list(bucket.params), averages, squares, exchanged, g, step)
 
     # ------------------------------------------------------------------ state
 
@@ -439,8 +292,8 @@ class CompressedAdam(torch.optim.Optimizer):
         the step, the warm-up, the bucket sizes and this rank's residuals."""
         state = super().state_dict()
         for saved in state["param_groups"]:
-            for name in _COMPRESSOR_KEYS:
-                saved[name] = _settings(saved[name])
+            for name in COMPRESSOR_KEYS:
+                saved[name] = saved_settings(saved[name])
         state["gradcomp"] = dict(
             steps_done=self.steps_done,
             warmup_steps=self.warmup_steps,
@@ -464,16 +317,33 @@ class CompressedAdam(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) == len(self.param_groups):
             for index, (saved, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-                for name in _COMPRESSOR_KEYS:
-                    if _settings(saved[name]) != _settings(g[name]):
+                for name in COMPRESSOR_KEYS:
+                    if saved_settings(saved[name]) != saved_settings(g[name]):
                         raise ValueError(
-                            f"group {index}: saved {name} {_settings(saved[name])} differs from "
-                            f"{_settings(g[name])}"
+                            f"group {index}: saved {name} {saved_settings(saved[name])} differs from "
+                            f"{saved_settings(g[name])}"
                         )
-        live = [{name: g[name] for name in _COMPRESSOR_KEYS} for g in self.param_groups]
+        live = [{name: g[name] for name in COMPRESSOR_KEYS} for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradcomp"})
         for g, compressors in zip(self.param_groups, live, strict=True):
             g.update(compressors)
         self.steps_done = extra["steps_done"]
         self._agreed = False
         self.feedback.load_state_dict(extra["feedback"])
+
+
+def _check_arguments(lr: float, betas: tuple, eps: float, warmup_steps: int, bucket_mb: float) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {betas}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "CompressedAdam exchanges gradients: call torch.distributed.init_process_group first"
+        )
