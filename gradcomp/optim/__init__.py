@@ -29,7 +29,8 @@ scale gradients with that in mind: before ``step()`` they are not averaged.
 The package, one concern a module: :mod:`~gradcomp.optim.compressed_adam`
 (:class:`CompressedAdam`: the step, each bucket's exchange, a non-finite step
 skipped), :mod:`~gradcomp.optim.phases` (the warm-up's and the frozen phase's
-arithmetic), :mod:`~gradcomp.optim.layout` (the buckets) and
+arithmetic), :mod:`~gradcomp.optim.layout` (the buckets),
+:mod:`~gradcomp.optim.agreement` (the ranks' check at the first step) and
 :mod:`~gradcomp.optim.checkpoint` (the saved state).
 """
 

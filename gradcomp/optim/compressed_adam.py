@@ -2,8 +2,8 @@
 frozen; the step, each bucket's exchange and the skip of a non-finite step.
 
 The phases' arithmetic is in :mod:`gradcomp.optim.phases`, the buckets in
-:mod:`gradcomp.optim.layout`, a group's compressors as saved in
-:mod:`gradcomp.optim.checkpoint`.
+:mod:`gradcomp.optim.layout`, the ranks' first check in :mod:`gradcomp.optim.agreement`,
+the saved state's checks in :mod:`gradcomp.optim.checkpoint`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gradcomp.collectives import all_reduce, check_algorithm, key_of
 from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.compressors import Compressor, NoCompression, get_compressor, split_options
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
-from gradcomp.optim import phases
+from gradcomp.optim import agreement, checkpoint, phases
 from gradcomp.optim.checkpoint import COMPRESSOR_KEYS, saved_settings
 from gradcomp.optim.layout import Bucket, gradients, make_buckets, views
 
@@ -245,32 +245,11 @@ class CompressedAdam(torch.optim.Optimizer):
             [b.numel for b in self._buckets],
             [tuple(saved_settings(g[k]) for k in COMPRESSOR_KEYS) for g in self.param_groups],
         )
-        # The gradients' sums, to tell whether something reduced them already (below): summed
-        # in fp64 without a copy, read back in one transfer.
-        totals = [
-            torch.stack([g.sum(dtype=torch.float64) for g in gradients(b)]).sum() for b in self._buckets
-        ]
-        one_device = len({t.device for t in totals}) == 1
-        sums = torch.stack(totals).tolist() if one_device else [float(t) for t in totals]
-        everyone = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(everyone, (*described, sums), group=self.process_group)
-        everyone, all_sums = [d[:-1] for d in everyone], [d[-1] for d in everyone]
-        if len(everyone) > 1 and any(sums) and all(other == sums for other in all_sums):
-            warnings.warn(
-                "CompressedAdam: the gradients are the same on every rank before it exchanges them: a "
-                "DistributedDataParallel model all-reduced them already, dense, in its backward pass "
-                "(or every rank computed the same ones). CompressedAdam exchanges them itself: give it the "
-                "module's parameters and train the module unwrapped, or run each backward under "
-                "model.no_sync(); last_bytes_sent counts CompressedAdam's bytes alone",
-                stacklevel=3,
-            )
-        if any(d != described for d in everyone):
-            lines = "\n".join(
-                f"  rank {r}: step {d[0]}, warmup_steps {d[1]}, algorithm {d[2]}, bucket sizes {d[3]}, "
-                f"(compressor, gradient_compressor) per group {d[4]}"
-                for r, d in enumerate(everyone)
-            )
-            raise ValueError(f"ranks disagree on the CompressedAdam settings:\n{lines}")
+        reduced, refusal = agreement.compare(described, self._buckets, self.process_group)
+        if reduced:
+            warnings.warn(agreement.ALREADY_REDUCED, stacklevel=3)
+        if refusal is not None:
+            raise ValueError(refusal)
         self._agreed = True
 
     def _update(self, bucket: Bucket, flat: torch.Tensor, step: int, denominators) -> None:
@@ -291,9 +270,7 @@ class CompressedAdam(torch.optim.Optimizer):
         ``torch.load`` reads it with ``weights_only``) and a ``gradcomp`` entry:
         the step, the warm-up, the bucket sizes and this rank's residuals."""
         state = super().state_dict()
-        for saved in state["param_groups"]:
-            for name in COMPRESSOR_KEYS:
-                saved[name] = saved_settings(saved[name])
+        checkpoint.save_compressors(state["param_groups"])
         state["gradcomp"] = dict(
             steps_done=self.steps_done,
             warmup_steps=self.warmup_steps,
@@ -303,26 +280,10 @@ class CompressedAdam(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("gradcomp")
-        if extra is None:
-            raise ValueError("not a CompressedAdam state (no 'gradcomp' entry)")
+        """Resume from :meth:`state_dict`, saved by an optimizer of the same buckets,
+        warm-up and compressors; the live compressors stay."""
         buckets = [b.numel for b in self._buckets]
-        if extra["buckets"] != buckets:
-            raise ValueError(
-                f"saved buckets of {extra['buckets']} elements differ from this optimizer's {buckets}: "
-                "the parameters or bucket_mb changed"
-            )
-        if extra["warmup_steps"] != self.warmup_steps:
-            raise ValueError(f"saved warmup_steps {extra['warmup_steps']} differs from {self.warmup_steps}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) == len(self.param_groups):
-            for index, (saved, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-                for name in COMPRESSOR_KEYS:
-                    if saved_settings(saved[name]) != saved_settings(g[name]):
-                        raise ValueError(
-                            f"group {index}: saved {name} {saved_settings(saved[name])} differs from "
-                            f"{saved_settings(g[name])}"
-                        )
+        extra = checkpoint.check_loadable(state_dict, buckets, self.warmup_steps, self.param_groups)
         live = [{name: g[name] for name in COMPRESSOR_KEYS} for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradcomp"})
         for g, compressors in zip(self.param_groups, live, strict=True):
