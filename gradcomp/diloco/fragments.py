@@ -11,6 +11,7 @@ pseudo-gradients in the all-reduce, one part per dtype, until its outer step lan
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -68,7 +69,7 @@ class Exchange:
         """The parts' flat tensors: each rank's pseudo-gradients, the average once waited for."""
         return [delta for _, delta, _ in self.parts]
 
-    def per_parameter(self, params: list[torch.Tensor]):
+    def per_parameter(self, params: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
         """``(index, view)`` for each parameter of the fragment: its part of the parts'
         flat tensors, shaped as the parameter."""
         for indices, delta, _ in self.parts:
