@@ -23,7 +23,8 @@ worker does with a bucket), :mod:`~gradcomp.ddp.options` (frozen options),
 :mod:`~gradcomp.ddp.stats` (:class:`StepStats`), :mod:`~gradcomp.ddp.checkpoint`
 (the versioned schema, :class:`Checkpointable`), :mod:`~gradcomp.ddp.auto`
 (``"auto"``'s controller and its phases), :mod:`~gradcomp.ddp.trial` (its
-trials) and :mod:`~gradcomp.ddp.timing` (its clocks).
+trials), :mod:`~gradcomp.ddp.timing` (its clocks) and :mod:`~gradcomp.ddp.plan_log`
+(the log of its plans).
 """
 
 from gradcomp.ddp.auto import Phase as Phase

@@ -8,7 +8,9 @@ injected profile), combines every rank's figures and chooses per bucket
 prediction, and re-plan on drift or request. TRIAL: where the model cannot tell
 the plan from its runner-up, both run in turns (:data:`TRIAL_TURNS`) and the
 faster stays. Plans change only at step boundaries, at the same steps on every
-rank.
+rank, and each logs one line as it comes into force (:mod:`~gradcomp.ddp.plan_log`).
+The trials' turns are :mod:`~gradcomp.ddp.trial`'s, the clocks
+:mod:`~gradcomp.ddp.timing`'s.
 
 The hook (the training thread) and the collective worker both act on the
 controller: each method says which. A value one writes and the other reads
@@ -32,9 +34,10 @@ import torch
 from gradcomp import planner, streams
 from gradcomp.collectives.node_layout import nodes_for_auto
 from gradcomp.compressors import Compressor, NoCompression
+from gradcomp.ddp import plan_log
 from gradcomp.ddp.options import AutoOptions
 from gradcomp.ddp.timing import agreed_offsets, communication, ranks_max, ready_offsets
-from gradcomp.ddp.trial import TRIAL_TURNS, Trial, described, picks, turn_seconds
+from gradcomp.ddp.trial import TRIAL_TURNS, Trial, picks, turn_seconds
 
 logger = logging.getLogger("gradcomp.ddp")
 
@@ -323,7 +326,9 @@ class BucketPlans:
             p if n >= self.min_numel else planner.predict("none", n, q.world_size, profile, dtype=dtype)
             for n, p, dtype in zip(sizes, plan, dtypes, strict=True)
         ]
-        self.dense_reasons = self._dense_reasons(sizes, q.world_size, profile, dtypes)
+        self.dense_reasons = plan_log.dense_reasons(
+            sizes, q.world_size, profile, dtypes, options.allow, self.min_numel
+        )
         self.runner_up = None
         if options.trial_steps:
             other = planner.runner_up(sizes, q.world_size, profile, plan, options.allow, dtypes=dtypes)
@@ -363,14 +368,9 @@ class BucketPlans:
         outcome, plans = self.trial.outcome(), self.trial.plans
         self.trial, self.phase = None, Phase.RUNNING
         self.trials.append(outcome)
+        plan_log.trial_reasons(self.dense_reasons, plans, outcome)
         best, ms = outcome["kept"], outcome["step_ms"]
         other = 1 - best
-        for i, (kept, lost) in enumerate(zip(plans[best], plans[other], strict=True)):
-            if kept.compressor == "none" and lost.compressor != "none" and i < len(self.dense_reasons):
-                self.dense_reasons[i] = (
-                    f"trial kept dense, {ms[best]:.4g} ms a step against {ms[other]:.4g} ms "
-                    f"with {lost.compressor} {lost.how}"
-                )
         verdict = "the plan" if best == 0 else "the runner-up"
         cause = f"trial kept {verdict}, {ms[best]:.4g} ms a step against {ms[other]:.4g} ms"
         if best != TRIAL_TURNS[-1]:
@@ -399,54 +399,9 @@ class BucketPlans:
         self.next_cause = f"re-plan, {why}"
         self._begin_trial(self.next_plan)
 
-    def _dense_reasons(self, sizes: list[int], world_size: int, profile, dtypes: list) -> list[str]:
-        """(worker) Why each bucket goes dense where a plan has it so: below ``min_numel``,
-        or what the model predicted of dense and of the fastest compressed choice."""
-        pairs = planner.routes(self.options.allow, world_size, profile.nodes)
-        reasons, said = [], {}  # buckets are mostly of one size: weigh each size once
-        for numel, dtype in zip(sizes, dtypes, strict=True):
-            if numel < self.min_numel:
-                reasons.append(f"below min_numel={self.min_numel:,}")
-                continue
-            if (numel, dtype) not in said:
-                predicted = [
-                    planner.predict(c, numel, world_size, profile, a, inter, dtype)
-                    for c, a, inter in pairs
-                    if planner.saves(planner.from_spec(c), dtype)
-                ]
-                dense = next(p for p in predicted if p.compressor == "none")
-                other = [p for p in predicted if p.compressor != "none"]
-                said[numel, dtype] = _why_dense(dense, min(other, key=lambda p: p.seconds, default=None))
-            reasons.append(said[numel, dtype])
-        return reasons
-
     def log_plan(self, step: int, cause: str) -> None:
-        """Log the plan in force from ``step`` (one line, at INFO): ``cause``, its buckets
-        grouped by what they go through, and why each dense one is."""
-        logger.info("gradcomp auto plan from step %d (%s): %s", step, cause, self.summary())
-        logger.debug("gradcomp auto plan in detail: %s", described(self.plan))
-
-    def summary(self) -> str:
-        """The plan in a line: how many buckets it compresses, the bytes it sends a step, and
-        its buckets grouped by choice (a dense one with its reason)."""
-        trial = self.trial
-        tried = trial is not None and picks(self.plan) == picks(trial.plans[1])  # the runner-up's turn
-        groups: dict[str, list[int]] = {}
-        for i, p in enumerate(self.plan):
-            choice = f"{p.compressor} {p.how}"
-            if p.compressor == "none":
-                if tried and trial.plans[0][i].compressor != "none":
-                    reason = "the runner-up's choice, on trial"
-                elif i < len(self.dense_reasons):
-                    reason = self.dense_reasons[i]
-                else:
-                    reason = "planned before a restart"
-                choice = f"{choice}, {reason}"
-            groups.setdefault(choice, []).append(i)
-        compressed = sum(p.compressor != "none" for p in self.plan)
-        buckets = "; ".join(f"{_bucket_list(indices)}: {choice}" for choice, indices in groups.items())
-        sent = sum(p.bytes_sent for p in self.plan)
-        return f"{compressed} of {len(self.plan)} buckets compressed, {sent:,} bytes a step; {buckets}"
+        """Log the plan in force from ``step`` and its ``cause`` (see :mod:`~gradcomp.ddp.plan_log`)."""
+        plan_log.log_plan(step, cause, self.plan, self.dense_reasons, self.trial)
 
     def adopt(self, plan: list) -> None:
         """Make ``plan`` the plan (its compressors built once)."""
@@ -464,30 +419,3 @@ class BucketPlans:
         # and of when steps began: host clock readings mean nothing elsewhere.
         self.wait()
         return self.__dict__ | {"ready": None, "step_starts": {}}
-
-
-def _why_dense(dense, fastest) -> str:
-    """Why the model keeps a bucket dense, from its prediction ``dense`` and the fastest
-    compressed one (None: no candidate sends fewer bytes)."""
-    if fastest is None:
-        return "no candidate sends fewer bytes than dense"
-    ms = f"{dense.seconds * 1e3:.3g} ms"
-    theirs = f"{fastest.compressor} {fastest.how} {fastest.seconds * 1e3:.3g} ms"
-    if fastest.seconds >= dense.seconds:
-        return f"dense predicted fastest, {ms} against {theirs}"
-    if fastest.seconds > (1 - planner.MARGIN) * dense.seconds:
-        return f"dense predicted {ms} against {theirs}, less than the {planner.MARGIN:.0%} gain to compress"
-    # best_plan kept it dense for the overlap with the backward pass.
-    return (
-        f"reduced while the backward pass runs: {theirs} against dense {ms} would end the step little sooner"
-    )
-
-
-def _bucket_list(indices: list[int]) -> str:
-    """``"bucket 3"``, ``"buckets 0-2, 5"``."""
-    runs, start = [], indices[0]
-    for before, index in zip(indices, [*indices[1:], None], strict=True):
-        if index != before + 1:
-            runs.append(str(start) if start == before else f"{start}-{before}")
-            start = index
-    return f"bucket{'s' if len(indices) > 1 else ''} {', '.join(runs)}"

@@ -56,11 +56,3 @@ def turn_seconds(starts: dict[int, float], adopted_at: int, step: int) -> float 
 def picks(plan: list) -> list[str]:
     """Each bucket's compressor and algorithm in words (``int8 two_phase``)."""
     return [f"{p.compressor} {p.how}" for p in plan]
-
-
-def described(plan: list) -> str:
-    return "; ".join(
-        f"bucket {i} ({p.numel:,} elements): {p.compressor} {p.how}, "
-        f"{p.seconds * 1e3:.3g} ms predicted, {p.bytes_sent:,} bytes"
-        for i, p in enumerate(plan)
-    )
