@@ -9,8 +9,8 @@ prediction, and re-plan on drift or request. TRIAL: where the model cannot tell
 the plan from its runner-up, both run in turns (:data:`TRIAL_TURNS`) and the
 faster stays. Plans change only at step boundaries, at the same steps on every
 rank, and each logs one line as it comes into force (:mod:`~gradcomp.ddp.plan_log`).
-The trials' turns are :mod:`~gradcomp.ddp.trial`'s, the clocks
-:mod:`~gradcomp.ddp.timing`'s.
+The trials' turns are :mod:`~gradcomp.ddp.trial`'s; the clocks, and what they
+observed of a plan, :mod:`~gradcomp.ddp.timing`'s.
 
 The hook (the training thread) and the collective worker both act on the
 controller: each method says which. A value one writes and the other reads
@@ -26,7 +26,6 @@ import enum
 import functools
 import logging
 import math
-import statistics
 import time
 
 import torch
@@ -36,7 +35,7 @@ from gradcomp.collectives.node_layout import nodes_for_auto
 from gradcomp.compressors import Compressor, NoCompression
 from gradcomp.ddp import plan_log
 from gradcomp.ddp.options import AutoOptions
-from gradcomp.ddp.timing import agreed_offsets, communication, ranks_max, ready_offsets
+from gradcomp.ddp.timing import agreed_offsets, observed, ranks_max, ready_offsets
 from gradcomp.ddp.trial import TRIAL_TURNS, Trial, picks, turn_seconds
 
 logger = logging.getLogger("gradcomp.ddp")
@@ -234,16 +233,9 @@ class BucketPlans:
         (-1 when unknown, or on the first window after a plan, which calibrates); each bucket's
         median share goes into ``plan[i].observed_seconds``."""
         window = [self.times.get(s, {}) for s in range(step - self.options.check_every, step)]
-        totals, shares = communication(window, len(self.plan))
+        self.plan, ratio = observed(self.plan, window)
         for old in [s for s in self.times if s < step - TIMED_STEPS]:
             del self.times[old]
-        if shares:
-            self.plan = [
-                dataclasses.replace(p, observed_seconds=statistics.median(shares[i])) if i in shares else p
-                for i, p in enumerate(self.plan)
-            ]
-        predicted = sum(p.seconds for p in self.plan)
-        ratio = statistics.median(totals) / predicted if totals and predicted > 0 else math.nan
         if not ratio > 0 or math.isinf(ratio):
             return -1.0
         if self.baseline is None:

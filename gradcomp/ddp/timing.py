@@ -1,10 +1,13 @@
 """auto's clocks: when buckets were handed over and how long their work ran, read from the
-host's clock on CPUs and from CUDA events on GPUs (never waited for), and the figures every
-rank must agree on."""
+host's clock on CPUs and from CUDA events on GPUs (never waited for), what that observed of a
+plan against its prediction (the drift check's measure), and the figures every rank must
+agree on."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -101,3 +104,17 @@ def communication(window: list[dict], buckets: int) -> tuple[list[float], dict[i
             shares.setdefault(index, []).append(share)
         totals.append(total)
     return totals, shares
+
+
+def observed(plan: list, window: list[dict]) -> tuple[list, float]:
+    """What ``window``'s steps (see :func:`communication`) observed of ``plan``: the plan with
+    each bucket's median share in its ``observed_seconds``, and the median step's communication
+    seconds over the plan's prediction (NaN where either is unknown)."""
+    totals, shares = communication(window, len(plan))
+    if shares:
+        plan = [
+            dataclasses.replace(p, observed_seconds=statistics.median(shares[i])) if i in shares else p
+            for i, p in enumerate(plan)
+        ]
+    predicted = sum(p.seconds for p in plan)
+    return plan, statistics.median(totals) / predicted if totals and predicted > 0 else math.nan
