@@ -62,11 +62,11 @@ def _entry(rank, world_size, address, port, setup, group_timeout, threads, resul
     finally:
         from gradcomp import collectives  # the package imports this module
 
-        # What the body left in reference cycles (a DDP model and its hook state hold a
-        # queue's cloned group) goes before the groups do: a clone alive at the
-        # interpreter's exit, after destroy_process_group, aborts the process.
-        gc.collect()
         collectives.release_queues()
+        # What the body left in reference cycles (a DDP model and its hook state hold a
+        # queue's cloned group) goes now, once the queues have stopped and before the
+        # groups are destroyed: a clone alive at the interpreter's exit aborts the process.
+        gc.collect()
         if finished and rank == 0:
             # Rank 0 holds the store: it goes last, once the others have torn down.
             _count_and_wait(store, "left", 0, world_size - 1)
