@@ -71,6 +71,7 @@ def _adam_skips(rank: int, world_size: int) -> None:
         assert _same(_adam_state(model, optimizer), _adam_state(reference_model, reference)), bad_step
 
 
+@pytest.mark.slow
 def test_compressed_adam_skips_a_non_finite_step_on_every_rank():
     run_ranks(_adam_skips, 2)
 

@@ -83,6 +83,7 @@ def _disagreeing_ranks(rank: int, world_size: int, labels: list[str]) -> None:
         assert same_on_all_ranks(x), label
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_raise_on_every_rank_whatever_ran_before():
     run_ranks(_disagreeing_ranks, 2, list(CASES), timeout=300)
 

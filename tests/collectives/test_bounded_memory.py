@@ -57,6 +57,7 @@ def _unnamed_bounded_named_kept(rank: int, world_size: int) -> None:
         assert len(memory) == 1
 
 
+@pytest.mark.slow
 def test_unnamed_default_state_is_bounded_and_named_state_kept():
     run_ranks(_unnamed_bounded_named_kept, 1)
 

@@ -179,6 +179,7 @@ def test_jobs_in_flight_give_the_bits_of_jobs_run_one_at_a_time(world_size):
     run_ranks(_in_flight_is_one_at_a_time, world_size, _cases(world_size), depths, timeout=900)
 
 
+@pytest.mark.slow
 def test_powersgd_warm_start_in_flight_is_the_one_at_a_time_warm_start():
     # The fast tier's case: PowerSGD keeps its warm start under the tensor's name.
     run_ranks(_in_flight_is_one_at_a_time, 2, [("powersgd", "dense")], (worker.IN_FLIGHT,))

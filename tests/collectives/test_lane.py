@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 import gradcomp
@@ -106,6 +107,7 @@ def _lane_is_the_general_path(rank: int, world_size: int) -> None:
             assert torch.equal(memory.get(key), expected_memory.get(key)), key
 
 
+@pytest.mark.slow
 def test_lane_gives_the_general_paths_bits_residuals_and_bytes():
     run_ranks(_lane_is_the_general_path, 2)
 
@@ -146,6 +148,7 @@ def _lane_not_taken(rank: int, world_size: int) -> None:
         assert torch.equal(got, fresh)
 
 
+@pytest.mark.slow
 def test_lane_is_not_taken_for_segments_error_measurement_or_changed_settings():
     run_ranks(_lane_not_taken, 2)
 
@@ -187,5 +190,6 @@ def _every_queue_kind(rank: int, world_size: int) -> None:
             assert all(same_on_all_ranks(x) for x in results), kind
 
 
+@pytest.mark.slow
 def test_lane_runs_on_every_kind_of_queue():
     run_ranks(_every_queue_kind, 2)

@@ -37,6 +37,7 @@ def _replicas_agree(rank: int, world_size: int, spec: str) -> None:
     assert differing(expected, result) == 0
 
 
+@pytest.mark.slow
 def test_topk_allgather_replicas_agree_under_any_schedule():
     run_ranks(_replicas_agree, 3, "topk@0.08")
 

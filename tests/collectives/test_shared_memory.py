@@ -78,6 +78,7 @@ def _files_of(pids: list[int]) -> list[str]:
         pytest.param(0, "agreed", id="rank0-agreed", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_a_rank_killed_during_the_set_up_leaves_no_shared_file(tmp_path, victim, point):
     context = mp.get_context("spawn")
     port = free_port()

@@ -74,6 +74,7 @@ def _hook_runs_on_the_worker_stream(rank: int, world_size: int) -> None:
     assert len(returned) == buckets and not unordered_results(fake)
 
 
+@pytest.mark.slow
 def test_ddp_hook_runs_every_kernel_and_wait_on_the_workers_stream():
     run_ranks(_hook_runs_on_the_worker_stream, 2)
 
@@ -184,6 +185,7 @@ def _work_completes_once_its_gpu_work_has_run(rank: int, world_size: int) -> lis
     return seen
 
 
+@pytest.mark.slow
 def test_work_is_completed_only_once_the_gpu_has_run_the_reduction():
     # dist.Work.is_completed() of NCCL queries the kernels' end events; the future alone is
     # done as soon as the worker has issued the job.
@@ -547,5 +549,6 @@ def _wait_issued_waits_only_for_collectives(rank: int, world_size: int) -> None:
     q.wait_issued()
 
 
+@pytest.mark.slow
 def test_wait_issued_waits_for_the_jobs_that_issue_collectives_and_no_longer_than_the_timeout():
     run_ranks(_wait_issued_waits_only_for_collectives, 1)

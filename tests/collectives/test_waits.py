@@ -76,6 +76,7 @@ def _assert_warned_then_raised(result: dict, named: str) -> None:
     assert TIMEOUT - 0.5 < result["seconds"] < TIMEOUT + 2, result  # the user's timeout, not longer
 
 
+@pytest.mark.slow
 def test_a_skipped_all_reduce_is_warned_of_naming_the_call_then_raises_in_time():
     result = run_ranks(_skipped, 2, "later all_reduce", group_timeout=TIMEOUT)
     named = "gradcomp.all_reduce of 1,000 float32 elements, job 2 of group [0, 1]"

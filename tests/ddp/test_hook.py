@@ -310,6 +310,7 @@ def _settings_mismatch_raises(rank: int, world_size: int) -> None:
     assert same_on_all_ranks(flat_parameters(model))
 
 
+@pytest.mark.slow
 def test_ranks_with_different_hook_settings_raise_instead_of_hanging():
     run_ranks(_settings_mismatch_raises, 2, timeout=120)
 

@@ -82,5 +82,6 @@ def _hook_keeps_what_it_reads(rank: int, world: int) -> None:
         assert all(_recorded(fake, stream, storage) for storage in restored), (policy, fake.log)
 
 
+@pytest.mark.slow
 def test_the_replicate_hook_records_fsdps_tensors_on_its_stream():
     run_ranks(_hook_keeps_what_it_reads, 2)

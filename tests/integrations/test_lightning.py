@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -10,29 +11,44 @@ import torch.distributed as dist
 
 from tests.utils import run_ranks
 
-lightning = pytest.importorskip("lightning", reason="the Lightning extra is not installed")
-
 pytestmark = pytest.mark.slow
 
 
-class _Net(lightning.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 128),
-            torch.nn.ReLU(),
-            torch.nn.Linear(128, 128),
-            torch.nn.ReLU(),
-            torch.nn.Linear(128, 4),
-        )
+@pytest.fixture(autouse=True)
+def _lightning_installed():
+    # Imported by the tests themselves, not at collection: Lightning takes seconds to
+    # import, which the fast tier, where every test here is deselected, would pay.
+    pytest.importorskip("lightning", reason="the Lightning extra is not installed")
 
-    def training_step(self, batch, batch_idx):
-        inputs, labels = batch
-        return torch.nn.functional.cross_entropy(self.net(inputs), labels)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+@functools.cache
+def _net_class():
+    import lightning
+
+    class _Net(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 128),
+                torch.nn.ReLU(),
+                torch.nn.Linear(128, 128),
+                torch.nn.ReLU(),
+                torch.nn.Linear(128, 4),
+            )
+
+        def training_step(self, batch, batch_idx):
+            inputs, labels = batch
+            return torch.nn.functional.cross_entropy(self.net(inputs), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return _Net
+
+
+def _net():
+    return _net_class()()
 
 
 def _loader():
@@ -43,6 +59,7 @@ def _loader():
 
 
 def _fit(directory: str, epochs: int, resume: str | None, checkpoints: bool, compression="default"):
+    import lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gradcomp.integrations.lightning import GradientCompression
@@ -67,7 +84,7 @@ def _fit(directory: str, epochs: int, resume: str | None, checkpoints: bool, com
         default_root_dir=directory,
         deterministic=True,
     )
-    module = _Net()
+    module = _net()
     trainer.fit(module, _loader(), ckpt_path=resume)
     weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     return weights, compression, trainer
@@ -169,6 +186,8 @@ def test_the_example_trains_and_resumes(tmp_path):
 
 
 def _two_fits(rank: int, world_size: int, directory: str) -> list[int]:
+    import lightning
+
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
     from gradcomp.integrations.lightning import GradientCompression
 
@@ -187,7 +206,7 @@ def _two_fits(rank: int, world_size: int, directory: str) -> list[int]:
             enable_checkpointing=False,
             default_root_dir=directory,
         )
-        trainer.fit(_Net(), _loader())
+        trainer.fit(_net(), _loader())
         counts.append(len(compression.state.stats))
     return counts
 

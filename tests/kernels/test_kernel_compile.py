@@ -116,6 +116,7 @@ def test_first_case_of_each_launcher_compiles_with_64_bit_row_offsets():
     assert {"_dequantize_kernel", "_sign_decode_kernel"} <= summed, summed
 
 
+@pytest.mark.slow
 def test_sign_kernels_divide_as_the_reference_does_on_sm90():
     # The block's mean magnitude: Triton compiled `sum / count` to div.full.f32, an
     # approximation within 2 ulp of the reference's correctly rounded division.

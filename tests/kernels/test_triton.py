@@ -123,6 +123,7 @@ class _FullSizeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_topk_passes_once_over_the_tensor_and_launches_as_many_kernels_at_any_size():
     """The sampling Top-K (kernels/topk.py): of its kernels only the mark kernel reads the
     whole tensor (the gather reads the candidates' lanes), every aten op that takes a
