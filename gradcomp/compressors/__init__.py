@@ -11,8 +11,9 @@ Example:
     >>> c = get_compressor("topk", ratio=0.01)
     >>> get_compressor("topk@0.01").ratio == get_compressor("topk:ratio=0.01").ratio == c.ratio
     True
-    >>> [name for name in COMPRESSORS]
-    ['none', 'fp16', 'bf16', 'int8', 'int4', 'int2', 'ternary', 'qsgd', 'sign', 'topk', 'randk', 'powersgd']
+    >>> [name for name in COMPRESSORS]  # doctest: +NORMALIZE_WHITESPACE
+    ['none', 'fp16', 'bf16', 'int8', 'int4', 'int2', 'ternary', 'qsgd', 'mxfp8', 'mxfp4', 'nvfp4',
+     'sign', 'topk', 'randk', 'powersgd']
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import inspect
 from gradcomp.compressors.base import Compressor, Context, mix_seed
 from gradcomp.compressors.cast import BF16, FP16, NoCompression
 from gradcomp.compressors.low_rank import PowerSGD
+from gradcomp.compressors.microscaling import MXFP4, MXFP8, NVFP4, Microscaling
 from gradcomp.compressors.quantize import QSGD, BlockQuantizer, Int2, Int4, Int8, Ternary
 from gradcomp.compressors.sign import Sign
 from gradcomp.compressors.sparse import RandK, TopK
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
-    for cls in (NoCompression, FP16, BF16, Int8, Int4, Int2, Ternary, QSGD, Sign, TopK, RandK, PowerSGD)
+    for cls in (NoCompression, FP16, BF16, Int8, Int4, Int2, Ternary, QSGD, MXFP8, MXFP4, NVFP4)
+    + (Sign, TopK, RandK, PowerSGD)
 }
 
 
@@ -211,6 +214,10 @@ __all__ = [
     "Int2",
     "Int4",
     "Int8",
+    "MXFP4",
+    "MXFP8",
+    "Microscaling",
+    "NVFP4",
     "NoCompression",
     "PowerSGD",
     "RandK",

@@ -91,6 +91,11 @@ RELATIVE_ERROR = {
     "int2": (0.70, 0.85),
     "ternary": (0.70, 0.85),  # int2's values
     "qsgd": (0.85, 1.00),
+    # Block-scaled floats: about 2**-m / sqrt(12) relative (m mantissa bits) where the
+    # element is normal, more where the block's scale leaves it subnormal or zero.
+    "mxfp8": (0.025, 0.034),
+    "mxfp4": (0.10, 0.13),
+    "nvfp4": (0.085, 0.105),
     "sign": (0.59, 0.615),
     "topk": (0.945, 0.965),
     "randk": (0.993, 0.997),
@@ -153,6 +158,10 @@ def expected_nbytes(name: str, options: dict, numel: int, dtype: torch.dtype, k:
         return math.ceil(numel * bits / 8) + scales
     if name == "sign":
         return math.ceil(numel / 8) + scales
+    if name in ("mxfp8", "mxfp4"):  # an E8M0 byte a block of 32
+        return math.ceil(numel * (8 if name == "mxfp8" else 4) / 8) + math.ceil(numel / 32)
+    if name == "nvfp4":  # an E4M3 byte a block of 16, the fp32 tensor scale
+        return math.ceil(numel / 2) + math.ceil(numel / 16) + 4 * min(numel, 1)
     if name == "topk":
         index = 8 if options.get("index_dtype") == "int64" else 4
         if "value_bits" in options:  # the kept values quantized, one fp32 scale a VALUE_BLOCK
@@ -356,6 +365,9 @@ NEEDS_FEEDBACK = {
     "int2": True,
     "ternary": True,
     "qsgd": False,
+    "mxfp8": True,
+    "mxfp4": True,
+    "nvfp4": True,
     "sign": True,
     "topk": True,
     "randk": True,
