@@ -159,11 +159,12 @@ def mx_quantize(
     finite = torch.isfinite(blocks).all(dim=1)
     peak = torch.where(finite, blocks.abs().amax(dim=1), torch.inf)
     scales = e8m0_scales(peak, fmt)
-    scale = torch.where(finite, e8m0_values(scales), 1.0).unsqueeze(1)
-    # A power of two: the division is exact (or below E4M3's and E2M1's smallest value).
+    scale = e8m0_values(scales).unsqueeze(1)  # NaN for a block holding inf or NaN
+    # Divided by a power of two: exact, or below 2**-126 where the element rounds to zero
+    # anyway (E4M3's smallest value is 2**-9), so one rounding, to the element.
     rounded = round_to_element(torch.where(finite.unsqueeze(1), blocks / scale, 0.0), fmt)
     codes = element_codes(rounded, fmt).view(-1)[:numel]
-    decoded = (rounded * torch.where(finite, scale.squeeze(1), torch.nan).unsqueeze(1)).view(-1)[:numel]
+    decoded = (rounded * scale).view(-1)[:numel]
     store_residual(residual, y, decoded)
     return pack_bits(codes, fmt.bits), scales
 
