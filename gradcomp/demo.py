@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import math
 import os
 import statistics
@@ -44,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import gradcomp
-from gradcomp import collectives, limited_link, planner, spawn
+from gradcomp import limited_link, planner, spawn
 from gradcomp.collectives import ring_all_reduce_bytes
 
 # Runs that do not go through gradcomp, with the bytes each gradient element costs on the wire.
@@ -334,12 +333,8 @@ def _ranks_train(
         for i, name in enumerate(names):
             bar.set_description_str(f"[{i + 1}/{len(names)}] {label_of(name)}")
             rows.append(train(name, data, setup, link, bar))
-            # A run's DDP model and hook state hold the queue's cloned Gloo group in reference
-            # cycles: a clone still alive at the interpreter's exit, after destroy_process_group,
-            # aborts the process (gradcomp.collectives.release_queues), so each goes now.
-            gc.collect()
-    collectives.release_queues()
-    gc.collect()
+    # What the runs left in reference cycles (their DDP models hold the queue's cloned
+    # group) goes in gradcomp.spawn, after the queues stop and before the groups do.
     return [dataclasses.asdict(row) for row in rows]
 
 
