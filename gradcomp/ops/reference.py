@@ -22,8 +22,9 @@ Conventions shared by all ops:
   a non-finite value.
 
 The sparse ops (Top-K, random-K, scatter-add) are defined in
-:mod:`gradcomp.ops.reference_sparse` and these conventions' helpers in
-:mod:`gradcomp.ops.reference_shared`; both are re-exported here.
+:mod:`gradcomp.ops.reference_sparse`, the block-scaled float formats (MXFP8,
+MXFP4, NVFP4) in :mod:`gradcomp.ops.reference_mx` and these conventions'
+helpers in :mod:`gradcomp.ops.reference_shared`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ import math
 
 import torch
 
+from gradcomp.ops.reference_mx import (  # noqa: F401 - re-exported: the block-scaled ops
+    mx_dequantize,
+    mx_dequantize_sum,
+    mx_quantize,
+    nvfp4_dequantize,
+    nvfp4_dequantize_sum,
+    nvfp4_quantize,
+)
 from gradcomp.ops.reference_shared import (  # noqa: F401 - re-exported: every op's conventions
     INT32_LIMIT,
     blocks_of,
@@ -40,7 +49,9 @@ from gradcomp.ops.reference_shared import (  # noqa: F401 - re-exported: every o
     divide,
     generator,
     index_dtype_for,
+    pack_bits,
     store_residual,
+    unpack_bits,
     write_out,
 )
 from gradcomp.ops.reference_sparse import (  # noqa: F401 - re-exported: the sparse ops
@@ -67,40 +78,7 @@ from gradcomp.ops.reference_sparse import (  # noqa: F401 - re-exported: the spa
     within_capacity,
 )
 
-# ----------------------------------------------------------------------------- bit packing
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-wide codes (uint8, values < 2**bits) into bytes.
-
-    Element ``i`` lands in byte ``i // (8 // bits)`` at bit offset
-    ``(i % (8 // bits)) * bits`` (little end first). The tail is zero-padded.
-
-    Example:
-        >>> pack_bits(torch.tensor([1, 2, 3], dtype=torch.uint8), 2)
-        tensor([57], dtype=torch.uint8)
-    """
-    codes = codes.reshape(-1).to(torch.uint8)
-    if bits == 8:
-        return codes.clone()
-    per_byte = 8 // bits
-    grouped = blocks_of(codes, per_byte)
-    packed = grouped[:, 0].clone()
-    for position in range(1, per_byte):
-        packed |= grouped[:, position] << (position * bits)
-    return packed
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8."""
-    packed = packed.reshape(-1)
-    if bits == 8:
-        return packed[:numel]
-    per_byte = 8 // bits
-    codes = torch.stack(
-        [(packed >> (position * bits)) & ((1 << bits) - 1) for position in range(per_byte)], 1
-    )
-    return codes.view(-1)[:numel]
+# ----------------------------------------------------------------------------- trits
 
 
 # Five codes of three values (0, 1, 2) fit a byte in base 3: 3**5 = 243 <= 256.

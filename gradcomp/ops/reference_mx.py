@@ -30,8 +30,15 @@ import dataclasses
 
 import torch
 
-from gradcomp.ops.reference import pack_bits, unpack_bits
-from gradcomp.ops.reference_shared import blocks_of, compensate, divide, store_residual, write_out
+from gradcomp.ops.reference_shared import (
+    blocks_of,
+    compensate,
+    divide,
+    pack_bits,
+    store_residual,
+    unpack_bits,
+    write_out,
+)
 
 # E8M0: an exponent with bias 127, no sign, no mantissa; 0xFF is NaN.
 E8M0_BIAS = 127
@@ -246,7 +253,8 @@ def nvfp4_quantize(
     finite = torch.isfinite(blocks).all(dim=1)
     peak = torch.where(finite, blocks.abs().amax(dim=1), 0.0)
     smallest_normal = 2.0**E4M3.min_exponent
-    wanted = (peak / E2M1.largest / tensor_scale).clamp(smallest_normal, E4M3.largest)
+    # divide(): a tensor divided by a Python number is multiplied by its reciprocal on CUDA.
+    wanted = (divide(peak, E2M1.largest) / tensor_scale).clamp(smallest_normal, E4M3.largest)
     scale = round_to_element(wanted, E4M3)
     reciprocal = (1.0 / tensor_scale) / scale
     rounded = round_to_element((blocks * reciprocal.unsqueeze(1)).clamp(-E2M1.largest, E2M1.largest), E2M1)

@@ -1,6 +1,6 @@
 """What every op of :mod:`gradcomp.ops.reference` shares: seeded generators, index
 dtypes, the one rounding of a division, error-feedback compensation, residual and
-output writes, blocks. Re-exported by :mod:`gradcomp.ops.reference`."""
+output writes, blocks, bit packing. Re-exported by :mod:`gradcomp.ops.reference`."""
 
 from __future__ import annotations
 
@@ -76,3 +76,36 @@ def blocks_of(y: torch.Tensor, block: int) -> torch.Tensor:
     if pad:
         y = torch.nn.functional.pad(y, (0, pad))
     return y.view(-1, block)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-wide codes (uint8, values < 2**bits) into bytes.
+
+    Element ``i`` lands in byte ``i // (8 // bits)`` at bit offset
+    ``(i % (8 // bits)) * bits`` (little end first). The tail is zero-padded.
+
+    Example:
+        >>> pack_bits(torch.tensor([1, 2, 3], dtype=torch.uint8), 2)
+        tensor([57], dtype=torch.uint8)
+    """
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return codes.clone()
+    per_byte = 8 // bits
+    grouped = blocks_of(codes, per_byte)
+    packed = grouped[:, 0].clone()
+    for position in range(1, per_byte):
+        packed |= grouped[:, position] << (position * bits)
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8."""
+    packed = packed.reshape(-1)
+    if bits == 8:
+        return packed[:numel]
+    per_byte = 8 // bits
+    codes = torch.stack(
+        [(packed >> (position * bits)) & ((1 << bits) - 1) for position in range(per_byte)], 1
+    )
+    return codes.view(-1)[:numel]
