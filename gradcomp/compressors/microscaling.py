@@ -1,6 +1,7 @@
 """Block-scaled floats: MXFP8 and MXFP4 (OCP Microscaling v1.0) and NVFP4.
 
-The element and scale formats are defined in :mod:`gradcomp.ops.reference_mx`.
+The element and scale formats are defined in :mod:`gradcomp.ops.reference_mx`; the
+ops run on the backend :mod:`gradcomp.ops` picks (Triton kernels on a GPU).
 Round to nearest is biased: error feedback is on by default, as for ``int8``.
 """
 
@@ -11,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from gradcomp import ops
 from gradcomp.compressors.base import Compressor, Context, without_grad
 from gradcomp.ops import reference_mx
 from gradcomp.payload import Layout, Payload
@@ -40,17 +42,17 @@ class Microscaling(Compressor):
         ]
 
     def _encode(self, flat: torch.Tensor, ctx: Context):
-        codes, scales = reference_mx.mx_quantize(flat, self.element, self.block, ctx.residual)
+        codes, scales = ops.mx_quantize(flat, self.element, self.block, ctx.residual)
         return {"scales": scales, "codes": codes}, {}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         codes, scales = payload.tensors["codes"], payload.tensors["scales"]
         numel = payload.numel
-        return reference_mx.mx_dequantize(codes, scales, self.element, self.block, numel, out, accumulate)
+        return ops.mx_dequantize(codes, scales, self.element, self.block, numel, out, accumulate)
 
     @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
-        reference_mx.mx_dequantize_sum(rows, self.element, self.block, out.numel(), out, divisor=divisor)
+        ops.mx_dequantize_sum(rows, self.element, self.block, out.numel(), out, divisor=divisor)
 
 
 class MXFP8(Microscaling):
@@ -90,14 +92,14 @@ class NVFP4(Compressor):
         ]
 
     def _encode(self, flat: torch.Tensor, ctx: Context):
-        codes, scales, tensor_scale = reference_mx.nvfp4_quantize(flat, self.block, ctx.residual)
+        codes, scales, tensor_scale = ops.nvfp4_quantize(flat, self.block, ctx.residual)
         return {"tensor_scale": tensor_scale, "scales": scales, "codes": codes}, {}
 
     def _decode(self, payload: Payload, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
         codes, scales, tensor_scale = (payload.tensors[name] for name in ("codes", "scales", "tensor_scale"))
         numel = payload.numel
-        return reference_mx.nvfp4_dequantize(codes, scales, tensor_scale, self.block, numel, out, accumulate)
+        return ops.nvfp4_dequantize(codes, scales, tensor_scale, self.block, numel, out, accumulate)
 
     @without_grad
     def decompress_sum(self, rows, dtype, out, *, meta=None, divisor: int = 1) -> None:
-        reference_mx.nvfp4_dequantize_sum(rows, self.block, out.numel(), out, divisor=divisor)
+        ops.nvfp4_dequantize_sum(rows, self.block, out.numel(), out, divisor=divisor)

@@ -65,6 +65,12 @@ randk_indices = _dispatching("randk_indices")
 scatter_add = _dispatching("scatter_add")
 pack_bits = _dispatching("pack_bits")
 unpack_bits = _dispatching("unpack_bits")
+mx_quantize = _dispatching("mx_quantize")
+mx_dequantize = _dispatching("mx_dequantize")
+mx_dequantize_sum = _dispatching("mx_dequantize_sum")
+nvfp4_quantize = _dispatching("nvfp4_quantize")
+nvfp4_dequantize = _dispatching("nvfp4_dequantize")
+nvfp4_dequantize_sum = _dispatching("nvfp4_dequantize_sum")
 
 
 index_dtype_for = reference.index_dtype_for

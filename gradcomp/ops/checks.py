@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from gradcomp.ops import reference
+from gradcomp.ops import reference, reference_mx
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -177,8 +177,18 @@ def _chunk(values: dict, op: str) -> None:
         raise ValueError(f"chunk {values['chunk']} must hold whole blocks of {values['block']}")
 
 
+def _code_bits(values: dict, op: str) -> int:
+    """Bits of each code of the op's payload (1 for sign; an unknown element's checked apart)."""
+    if "element" in values:
+        element = reference_mx.ELEMENTS.get(values["element"])
+        return 1 if element is None else element.bits
+    if op.startswith("nvfp4"):
+        return reference_mx.E2M1.bits
+    return values.get("bits", 1)
+
+
 def _rows(values: dict, op: str) -> None:
-    rows, bits = values["rows"], values.get("bits", 1)
+    rows, bits = values["rows"], _code_bits(values, op)
     if (
         rows.dtype != torch.uint8
         or rows.dim() != 2
@@ -236,6 +246,20 @@ def _indices(values: dict, op: str) -> None:
         )
 
 
+def _element(values: dict, op: str) -> None:
+    if values["element"] not in reference_mx.ELEMENTS:
+        raise ValueError(f"element must be one of {sorted(reference_mx.ELEMENTS)}, got {values['element']!r}")
+
+
+def _block(values: dict, op: str) -> None:
+    """A positive block; of the block-scaled formats, one whose codes fill whole bytes
+    (their kernels pack a block's codes apart from the next block's)."""
+    _positive("block")(values, op)
+    bits = _code_bits(values, op)
+    if op.startswith(("mx_", "nvfp4_")) and (values["block"] * bits) % 8:
+        raise ValueError(f"{op}: a block of {values['block']} {bits}-bit codes must fill whole bytes")
+
+
 def _codes(name: str):
     def check(values: dict, op: str) -> None:
         if values[name].dtype != torch.uint8:
@@ -248,7 +272,8 @@ _CHECKS = {
     "x": _x,
     "residual": _residual,
     "bits": _bits,
-    "block": _positive("block"),
+    "block": _block,
+    "element": _element,
     "levels": _levels,
     "scale": _scale,
     "k": _k,

@@ -376,4 +376,11 @@ FUNCTIONS = {
     "scatter_add": reference.scatter_add,
     "pack_bits": pack_bits,
     "unpack_bits": unpack_bits,
+    # The block-scaled formats are the reference's on CPU: no faster CPU code yet.
+    "mx_quantize": reference.mx_quantize,
+    "mx_dequantize": reference.mx_dequantize,
+    "mx_dequantize_sum": reference.mx_dequantize_sum,
+    "nvfp4_quantize": reference.nvfp4_quantize,
+    "nvfp4_dequantize": reference.nvfp4_dequantize,
+    "nvfp4_dequantize_sum": reference.nvfp4_dequantize_sum,
 }

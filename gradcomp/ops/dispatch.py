@@ -41,6 +41,12 @@ OP_NAMES = (
     "scatter_add",
     "pack_bits",
     "unpack_bits",
+    "mx_quantize",
+    "mx_dequantize",
+    "mx_dequantize_sum",
+    "nvfp4_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_dequantize_sum",
 )
 
 # backend -> (is_available(device) -> bool, {op name: function})
