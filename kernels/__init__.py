@@ -55,6 +55,14 @@ else:
     import torch
 
     from .bits import pack_bits, unpack_bits
+    from .microscaling import (
+        mx_dequantize,
+        mx_dequantize_sum,
+        mx_quantize,
+        nvfp4_dequantize,
+        nvfp4_dequantize_sum,
+        nvfp4_quantize,
+    )
     from .quantize import (
         dequantize_blockwise,
         dequantize_rows,
@@ -89,6 +97,12 @@ else:
         "interpreting",
         "is_available",
         "keep_largest",
+        "mx_dequantize",
+        "mx_dequantize_sum",
+        "mx_quantize",
+        "nvfp4_dequantize",
+        "nvfp4_dequantize_sum",
+        "nvfp4_quantize",
         "pack_bits",
         "quantize_blockwise",
         "quantize_rows",

@@ -1,7 +1,7 @@
 """The ops on the Triton kernels of :mod:`gradcomp.kernels`.
 
-Quantization, sign, packing and scatter-add map one to one onto kernel
-launchers. Random-K and Top-K combine kernels with the reference's
+Quantization, sign, the block-scaled formats, packing and scatter-add map one
+to one onto kernel launchers. Random-K and Top-K combine kernels with the reference's
 seed-derived choices (the permutation keys, the Top-K sample), so that they
 select exactly what :mod:`gradcomp.ops.reference` selects.
 """
@@ -117,5 +117,11 @@ FUNCTIONS = {
     "scatter_add": kernels.scatter_add,
     "pack_bits": kernels.pack_bits,
     "unpack_bits": kernels.unpack_bits,
+    "mx_quantize": kernels.mx_quantize,
+    "mx_dequantize": kernels.mx_dequantize,
+    "mx_dequantize_sum": kernels.mx_dequantize_sum,
+    "nvfp4_quantize": kernels.nvfp4_quantize,
+    "nvfp4_dequantize": kernels.nvfp4_dequantize,
+    "nvfp4_dequantize_sum": kernels.nvfp4_dequantize_sum,
 }
 is_available = kernels.is_available
