@@ -18,7 +18,8 @@ products of ``row_stride`` the kernel's Triton IR forms in 32 bits.
 
 The cases call the launchers with every input dtype, residual dtype, output
 dtype, bit width, ``levels`` (1 included), rounding mode, block (packed and
-straddling bytes), ``numel`` 1 and odd, and index dtype they accept.
+straddling bytes), block-scaled element format, ``numel`` 1 and odd, and
+index dtype they accept.
 """
 
 from __future__ import annotations
@@ -296,6 +297,45 @@ def _cases() -> list[tuple[str, Callable[[], object]]]:
             return kernels.sign_decompress_sum(rows, block * 8, numel, tensor(numel, out_name), divisor=2)
 
         add(f"sign_rows x={x_name} r={residual} out={out_name} numel={numel} block={block * 8}", sign_rows)
+    # The block-scaled formats: MXFP8, MXFP4 (blocks of 32) and NVFP4 (16), sizes odd and even.
+    scaled_shapes = itertools.cycle([4096, 1023, 1, 4097])
+    for x_name, residual, element in itertools.product(FLOATS, residuals, ("e4m3", "e2m1", "nvfp4")):
+        if residual == "same" and x_name == "float32":
+            continue
+        numel, r_name = next(scaled_shapes), x_name if residual == "same" else residual
+
+        def scaled(x_name=x_name, r_name=r_name, element=element, numel=numel):
+            r = None if r_name is None else tensor(numel, r_name)
+            if element == "nvfp4":
+                return kernels.nvfp4_quantize(tensor(numel, x_name), 16, r)
+            return kernels.mx_quantize(tensor(numel, x_name), element, 32, r)
+
+        add(f"block_scaled {element} x={x_name} r={r_name} numel={numel}", scaled)
+    for out_name, accumulate, element in itertools.product((None, *FLOATS), (False, True), ("e4m3", "e2m1")):
+        if out_name is None and accumulate:
+            continue
+        numel = next(scaled_shapes)
+
+        def scaled_decode(out_name=out_name, accumulate=accumulate, element=element, numel=numel):
+            out = None if out_name is None else tensor(numel, out_name)
+            codes = torch.zeros(numel, dtype=torch.uint8)
+            scales = torch.zeros(-(-numel // 16), dtype=torch.uint8)
+            kernels.nvfp4_dequantize(codes, scales, torch.ones(1), 16, numel, out, accumulate)
+            return kernels.mx_dequantize(codes, scales, element, 32, numel, out, accumulate)
+
+        add(
+            f"block_scaled_decode {element} out={out_name} accumulate={accumulate} numel={numel}",
+            scaled_decode,
+        )
+    for out_name, element in itertools.product(FLOATS, ("e4m3", "e2m1")):
+        numel = next(scaled_shapes)
+
+        def scaled_rows(out_name=out_name, element=element, numel=numel):
+            rows = torch.zeros(4, 8 * (numel // 8 + 2) + 8 * (numel // 16 + 2), dtype=torch.uint8)
+            kernels.nvfp4_dequantize_sum(rows, 16, numel, tensor(numel, out_name), divisor=3)
+            return kernels.mx_dequantize_sum(rows, element, 32, numel, tensor(numel, out_name), divisor=3)
+
+        add(f"block_scaled_rows {element} out={out_name} numel={numel}", scaled_rows)
     for bits, numel in itertools.product((1, 2, 4), (1, 7, 4096)):
         add(
             f"pack bits={bits} numel={numel}",

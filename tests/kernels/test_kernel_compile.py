@@ -124,3 +124,21 @@ def test_sign_kernels_divide_as_the_reference_does_on_sm90():
     check_compiled(records)
     kernels = {r["kernel"] for r in records if not r["case"].startswith("control")}
     assert {"_sign_kernel", "_sign_decode_kernel"} <= kernels, kernels
+
+
+@pytest.mark.slow
+def test_block_scaled_kernels_compile_for_sm80_and_sm90_and_round_as_the_reference():
+    # Their bits equal the reference's only without fused multiply-adds, flushed subnormals
+    # (an E8M0 scale of 2**-127 is one) or approximate divisions (NVFP4's scales).
+    launchers = ("block_scaled", "block_scaled_decode", "block_scaled_rows")
+    _, records = compile_records((80, 90), only=launchers)
+    check_compiled(records)
+    kernels = {r["kernel"] for r in records if not r["case"].startswith("control")}
+    assert kernels == {
+        "_mx_quantize_kernel",
+        "_finite_peak_kernel",
+        "_nvfp4_tensor_scale_kernel",
+        "_nvfp4_quantize_kernel",
+        "_decode_kernel",
+    }, kernels
+    assert {r["target"] for r in records} == {80, 90}
