@@ -1,0 +1,374 @@
+"""Compressed gradients in torchft's fault-tolerant loop: replica groups that die, rejoin and heal.
+
+torchft's :class:`~torchft.Manager` keeps training while replica groups come and go:
+each step it forms a quorum, reconfigures its process group to the replicas in it,
+and commits the step only if every replica's all-reduce went through. gradcomp's
+compressors fit that loop through :class:`Compression`:
+
+* its :meth:`~Compression.all_reduce` runs gradcomp's compressed all-reduce on the
+  Manager's process group as the quorum made it, in the caller's thread;
+* :meth:`~Compression.should_commit` asks the Manager and keeps the step's
+  residuals where the step is committed, puts back those before it where it is not
+  (torchft then discards the step, so its error must not count as delivered);
+* the heal (a replica that restarts takes its state from a peer) carries the state
+  every replica holds alike (PowerSGD's warm start) and zeroes the healed replica's
+  residuals: they were its own undelivered gradient, and the model it takes from its
+  peer holds everything delivered so far. A peer's residuals copied over would
+  deliver that peer's error twice.
+
+:func:`DistributedDataParallel` and :class:`OptimizerWrapper` are torchft's own, with
+gradcomp's hook and commit::
+
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), ...)
+    compression = Compression(manager, "int8")
+    model = DistributedDataParallel(manager, module, compression)
+    optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters()), compression)
+    for batch in batches:
+        optimizer.zero_grad()          # the step's quorum
+        loss(model(batch)).backward()  # compressed buckets
+        optimizer.step()               # committed, or discarded with its residuals
+
+Why gradcomp runs on the process group itself: torchft's groups are not members of
+torch.distributed's world (no global ranks, no clones), and the Manager replaces the
+communicator inside whenever the quorum changes. Each call reads the communicator
+the Manager configured last; a new one starts the settings' agreement afresh, and
+residuals a ``two_phase`` owner kept for chunks of the old quorum are handed to this
+replica's own residual, to be sent at its next call. The flat algorithms run
+(``dense``, ``allgather``, ``two_phase``); Gloo groups have no reduce-scatter, and a
+replica group is one rank of the quorum, so there are no nodes to be hierarchical over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import ops
+from gradcomp.collectives.agreement import settings_key
+from gradcomp.collectives.dispatch import job_steps
+from gradcomp.collectives.job import Job
+from gradcomp.collectives.low_rank import warm_start_key
+from gradcomp.collectives.policy import HIERARCHICAL, check_algorithm
+from gradcomp.collectives.reduce import key_of
+from gradcomp.collectives.stats import ReduceStats
+from gradcomp.collectives.two_phase import owner_key, owner_ranges
+from gradcomp.collectives.worker import drive
+from gradcomp.compressors import Compressor, get_compressor
+from gradcomp.compressors.base import check_tensor
+from gradcomp.feedback import ErrorFeedback, UndoLog
+
+
+class QuorumGroup:
+    """What gradcomp's algorithms read of a group (as
+    :class:`~gradcomp.collectives.inline.InlineGroup`), for the communicator a torchft
+    process group holds for one quorum: its rank and size are the quorum's."""
+
+    __slots__ = (
+        "group",
+        "rank",
+        "world_size",
+        "ranks",
+        "timeout_seconds",
+        "verified",
+        "hierarchies",
+        "lanes",
+        "plans",
+        "layout_exchanges",
+        "lock",
+    )
+
+    def __init__(self, communicator: dist.ProcessGroup, timeout: datetime.timedelta | None):
+        self.group = communicator
+        self.rank = communicator.rank()
+        self.world_size = communicator.size()
+        self.ranks = list(range(self.world_size))  # the quorum's ranks: no global ones
+        self.timeout_seconds = (timeout or dist.constants.default_pg_timeout).total_seconds()
+        self.verified: set[tuple] = set()
+        self.hierarchies: dict = {}
+        self.lanes: dict = {}
+        self.plans: dict = {}
+        self.layout_exchanges = 0
+        self.lock = threading.Lock()
+
+
+def communicator_of(pg) -> dist.ProcessGroup:
+    """The torch.distributed group a torchft process group runs on now (``pg.parent``,
+    replaced at each reconfiguration; followed through torchft groups that wrap others).
+    Its ``rank()`` is the quorum's; the torchft wrapper's own ``rank()`` is 0 on every replica."""
+    from torchft.process_group import ProcessGroupWrapper
+
+    seen = pg
+    while isinstance(seen, ProcessGroupWrapper):
+        try:
+            seen = seen.parent
+        except AssertionError:  # torchft asserts on a group it has not configured yet
+            raise RuntimeError(
+                "gradcomp: the torchft process group is not configured yet: call the Manager's "
+                "start_quorum() (the optimizer wrapper's zero_grad()) before the step's all-reduces"
+            ) from None
+    if not isinstance(seen, dist.ProcessGroup) or type(seen).__module__.startswith("torchft"):
+        raise TypeError(
+            f"gradcomp runs on torchft's ProcessGroupGloo and ProcessGroupNCCL (a communicator in this "
+            f"process), not {type(pg).__name__}"
+        )
+    return seen
+
+
+@dataclasses.dataclass
+class _Route:
+    """How a tensor was last reduced: the quorum's size and this replica's rank, the algorithm."""
+
+    world_size: int
+    rank: int
+    algorithm: str
+
+
+class Compression:
+    """gradcomp's compressed all-reduce on a torchft Manager's process group, with error
+    feedback that follows torchft's commits and heals.
+
+    Args:
+        manager: the :class:`torchft.Manager` (its ``pg`` a torchft ``ProcessGroupGloo`` or
+            ``ProcessGroupNCCL``).
+        compressor: a :class:`~gradcomp.compressors.Compressor` or a spec (``"int8"``,
+            ``"topk:ratio=0.01"``, ``"powersgd:rank=4"``); not ``"auto"``, whose plans
+            would have to be agreed again at every quorum.
+        algorithm: ``"dense"``, ``"allgather"`` or ``"two_phase"``; default by the
+            compressor and the quorum's size, as :func:`gradcomp.all_reduce` picks.
+        key: the name its heal state is registered under with the Manager
+            (``register_state_dict_fn``); every replica registers the same keys.
+        compressor_options: options of a compressor given by name.
+
+    Attributes:
+        feedback: the residuals (an :class:`~gradcomp.ErrorFeedback`), keyed by the names
+            passed to :meth:`all_reduce`.
+        bytes_sent, dense_bytes: what this replica sent over the calls so far, and what a
+            dense ring all-reduce of the same tensors would have sent
+            (:class:`~gradcomp.ReduceStats`'s counting).
+        commits, discards: the steps :meth:`should_commit` committed and discarded.
+    """
+
+    def __init__(
+        self,
+        manager,
+        compressor: Compressor | str,
+        *,
+        algorithm: str | None = None,
+        key: str = "gradcomp",
+        **compressor_options,
+    ):
+        if isinstance(compressor, str) and compressor.split(":")[0] == "auto":
+            raise ValueError(
+                "gradcomp on torchft takes a fixed compressor, not 'auto': name one (int8, topk, ...)"
+            )
+        self.compressor = get_compressor(compressor, **compressor_options)
+        if algorithm == HIERARCHICAL:
+            raise ValueError(
+                "gradcomp on torchft runs the flat algorithms: 'dense', 'allgather' or 'two_phase'"
+            )
+        if algorithm is not None:
+            check_algorithm(self.compressor, algorithm)
+        self.manager = manager
+        self.algorithm = algorithm
+        self.feedback = ErrorFeedback()
+        self._log = UndoLog(self.feedback)
+        self._group: QuorumGroup | None = None
+        self._routes: dict[int, _Route] = {}  # as of the last commit
+        self._step_routes: dict[int, _Route] = {}  # this step's
+        self._sat_out: ErrorFeedback | None = None  # this step's residuals of a replica not participating
+        self._replicated: dict = {}  # the state every replica holds alike, at the last commit
+        self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.commits = 0
+        self.discards = 0
+        manager.register_state_dict_fn(key, self._load_heal_state, self._heal_state)
+
+    def all_reduce(self, tensor: torch.Tensor, name: Hashable) -> ReduceStats | None:
+        """Average ``tensor`` in place over the replicas that take part in this step.
+
+        Waits for the step's quorum first. A replica that does not take part (it heals
+        this step) sends zeros, keeps its residuals, and gets the others' average. An
+        error of the exchange (a replica died) goes to the Manager (``report_error``), which
+        then discards the step: the tensor holds no average and the call returns None, as
+        do the step's later calls. A disagreement on the settings raises ``ValueError``
+        on every replica.
+
+        Args:
+            tensor: a floating tensor, the same shape and dtype on every replica.
+            name: the tensor's residual key (a DDP bucket's index, a parameter's name),
+                the same on every replica and step after step.
+        """
+        check_tensor(tensor)
+        ops.check_forced_backend()
+        manager = self.manager
+        if manager.errored() is not None:
+            return None
+        try:
+            manager.wait_quorum()
+            q = self._quorum_group()
+            participants = manager.num_participants()
+            feedback = self.feedback
+            if not manager.is_participating():
+                tensor.zero_()
+                feedback = self._sat_out = self._sat_out or ErrorFeedback()
+            key = key_of(name)
+            algorithm = check_algorithm(self.compressor, self.algorithm, q.world_size)
+            with self._log.recording():
+                if feedback is self.feedback:
+                    self._hand_over(key, q, algorithm, tensor)
+                job = Job(tensor, self.compressor, "sum", algorithm, feedback, key, manager.current_step())
+                stats = drive(job_steps(job, q))
+        except ValueError:
+            raise  # settings that differ between replicas: no retry mends them
+        except Exception as error:  # the exchange failed: torchft discards the step
+            manager.report_error(error)
+            return None
+        tensor.div_(participants)
+        self.bytes_sent += stats.bytes_sent
+        self.dense_bytes += stats.dense_bytes
+        return stats
+
+    def should_commit(self, timeout: datetime.timedelta | None = None) -> bool:
+        """``manager.should_commit()``, with the residuals settled: the step's kept where
+        the replicas commit it, those before it put back where they discard it."""
+        committed = self.manager.should_commit(timeout)
+        sat_out, self._sat_out = self._sat_out, None
+        routes, self._step_routes = self._step_routes, {}
+        if committed:
+            self._log.before.clear()
+            self._routes.update(routes)
+            if sat_out is not None:  # the state every replica holds alike, as this step left it
+                for name in _replicated_keys(sat_out):
+                    self.feedback.set(name, sat_out.get(name))
+            self._replicated = {
+                name: self.feedback.get(name).clone() for name in _replicated_keys(self.feedback)
+            }
+            self.commits += 1
+        else:
+            self._log.undo()
+            self.discards += 1
+        return committed
+
+    def _quorum_group(self) -> QuorumGroup:
+        """The group view of the communicator the Manager configured last; a new one when
+        it changed (a new quorum)."""
+        communicator = communicator_of(self.manager._pg)
+        if self._group is None or self._group.group is not communicator:
+            self._group = QuorumGroup(communicator, getattr(self.manager._pg, "_timeout", None))
+        return self._group
+
+    def _hand_over(self, key: int, q: QuorumGroup, algorithm: str, tensor: torch.Tensor) -> None:
+        """Where tensor ``key`` was reduced in another quorum (or by another algorithm), the
+        residual a two_phase owner kept of the chunks it owned there goes into this
+        replica's own residual, to be sent by this call."""
+        route = _Route(q.world_size, q.rank, algorithm)
+        last = self._routes.get(key)
+        self._step_routes[key] = route
+        if last is None or last == route:
+            return
+        held = self.feedback.pop(owner_key(key))
+        if held is None:
+            return
+        flat = tensor.view(-1)
+        residual = self.feedback.residual(key, flat)
+        at = 0
+        for begin, end in owner_ranges(
+            self.compressor, last.algorithm, flat.numel(), last.world_size, last.rank, flat.device
+        ):
+            residual.view(-1)[begin:end].add_(held[at : at + end - begin].to(residual.dtype))
+            at += end - begin
+
+    def _heal_state(self) -> dict:
+        """What a healing replica takes from this one (torchft calls it, on its quorum
+        thread): the settings and the state every replica holds alike, as of the last commit."""
+        return {"settings": settings_key(self.compressor), "replicated": dict(self._replicated)}
+
+    def _load_heal_state(self, state: dict) -> None:
+        """Take a peer's heal state: its replicated state, and no residuals."""
+        mine = settings_key(self.compressor)
+        if state["settings"] != mine:
+            raise ValueError(
+                f"gradcomp on torchft: this replica compresses with {mine}, the peer it heals from "
+                f"with {state['settings']}: every replica group needs the same compressor"
+            )
+        self.feedback.clear()
+        self._log.before.clear()
+        self._routes.clear()
+        self._step_routes.clear()
+        for name, value in state["replicated"].items():
+            self.feedback.set(name, value.clone())
+        self._replicated = dict(state["replicated"])
+
+    def state_dict(self) -> dict:
+        """For this replica's own checkpoint: its residuals, as of the last commit."""
+        if self._log.before:
+            raise RuntimeError("gradcomp on torchft: save between steps, after should_commit()")
+        return {"settings": settings_key(self.compressor), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["settings"] != settings_key(self.compressor):
+            raise ValueError(
+                f"gradcomp on torchft: the checkpoint compressed with {state['settings']}, "
+                f"this replica with {settings_key(self.compressor)}"
+            )
+        self.feedback.load_state_dict(state["feedback"])
+        self._replicated = {name: self.feedback.get(name).clone() for name in _replicated_keys(self.feedback)}
+        self._routes.clear()
+
+
+def _replicated_keys(feedback: ErrorFeedback) -> list:
+    """The entries every replica holds alike: PowerSGD's warm starts."""
+    return [name for name in feedback.keys() if isinstance(name, tuple) and name[:1] == warm_start_key(0)[:1]]
+
+
+def _bucket_hook(compression, bucket):  # unannotated: DDP reads the names as annotations
+    buffer = bucket.buffer()
+    compression.all_reduce(buffer, ("ddp", bucket.index()))
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def DistributedDataParallel(manager, module: torch.nn.Module, compression: Compression, **ddp_options):
+    """torchft's DistributedDataParallel with gradcomp's compressed buckets: torch's DDP on
+    a process group of one (its own collectives go nowhere), its buckets fixed (as torchft
+    fixes them, so that a healed replica's match its peers'), each bucket averaged over
+    the quorum through ``compression`` when DDP hands it over."""
+    from torchft.process_group import ProcessGroupDummy
+
+    if compression.manager is not manager:
+        raise ValueError("the Compression was made for another Manager")
+    ddp_options.setdefault("find_unused_parameters", True)
+    if not ddp_options["find_unused_parameters"]:
+        raise ValueError(
+            "torchft's DDP keeps find_unused_parameters=True: it keeps the buckets from changing"
+        )
+    model = torch.nn.parallel.DistributedDataParallel(
+        module, process_group=ProcessGroupDummy(0, 1), **ddp_options
+    )
+    model.register_comm_hook(compression, _bucket_hook)
+    return model
+
+
+def OptimizerWrapper(manager, optimizer: torch.optim.Optimizer, compression: Compression):
+    """torchft's OptimizerWrapper whose ``step()`` commits through ``compression``
+    (:meth:`Compression.should_commit`): the optimizer steps and the residuals are kept
+    only where every replica committed."""
+    from torchft.optim import OptimizerWrapper as Wrapper
+
+    if compression.manager is not manager:
+        raise ValueError("the Compression was made for another Manager")
+
+    class _Committing(Wrapper):
+        def step(self, closure=None):
+            if closure is not None:
+                raise ValueError("torchft's optimizer wrapper takes no closure")
+            if compression.should_commit():
+                self.optim.step()
+
+    return _Committing(manager, optimizer)
