@@ -290,7 +290,8 @@ def _disagreement(q, job: Job, where: str = "") -> ValueError:
     mine = _describe(terms.origin or job)
     everyone = [None] * q.world_size
     dist.all_gather_object(everyone, mine, group=q.group)
-    ranks = dist.get_process_group_ranks(q.group)
+    # The view's own where it has them: torchft's groups have no global ranks to ask torch for.
+    ranks = getattr(q, "ranks", None) or dist.get_process_group_ranks(q.group)
     differ = [name for name in mine if any(other.get(name) != mine[name] for other in everyone)]
     named = differ or list(mine)  # the same description: another stage disagreed (a node)
     lines = "\n".join(

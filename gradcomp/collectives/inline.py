@@ -24,8 +24,9 @@ from gradcomp.collectives.worker import drive
 
 class InlineGroup:
     """What the algorithms read of a :class:`~gradcomp.collectives.worker.CollectiveQueue`
-    (``group``, ``rank``, ``world_size``, ``ranks``, the group's timeout, the settings verified so far, allgather's
-    lanes, the plans agreed), for jobs run in the caller's thread on ``group`` itself."""
+    (``group``, ``rank``, ``world_size``, ``ranks``, the group's timeout, the settings
+    verified so far, allgather's lanes, the plans agreed), for jobs run in the caller's
+    thread on ``group`` itself."""
 
     __slots__ = (
         "group",

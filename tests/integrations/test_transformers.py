@@ -223,7 +223,8 @@ def _logs_each_plan(rank: int, world: int, root: str) -> tuple:
     numels = [p.numel for p in callback.state.plan]
     # The plan each step ran, as the callback writes it (steps 1-2: the warm-up's, no plan).
     ran = {
-        s.step + 1: "; ".join(f"{n} {s.compressors[i]}" for i, n in enumerate(numels)) for s in callback.state.stats
+        s.step + 1: "; ".join(f"{n} {s.compressors[i]}" for i, n in enumerate(numels))
+        for s in callback.state.stats
     }
     logged = {e["step"]: e["gradcomp/plan"] for e in trainer.state.log_history if "gradcomp/plan" in e}
     return ran, logged
