@@ -11,7 +11,8 @@
 #
 #   versions   torch, CUDA, NCCL, Triton, CuPy, the driver, the GPU
 #   kernels    every op per backend at 64M and 256M elements (past the 60 MB
-#              L2) against a device-to-device copy; Top-K at 1% against
+#              L2) against a device-to-device copy, the block-scaled formats
+#              (mxfp8, mxfp4, nvfp4) among them; Top-K at 1% against
 #              torch.topk (bench/kernel_speed.py)
 #   worker     one rank over NCCL: a collective issued from gradcomp's worker
 #              thread on its stream; all_reduce results (sync, Work.wait(),
@@ -36,8 +37,9 @@
 #              its time overlapping backward kernels (bench/gpu_ddp.py)
 #   compare    the hook and CompressedAdam on the GPU backends against the
 #              torch backend: one rank over NCCL, two over Gloo on CUDA tensors
-#   parity     the GPU tests: every GPU op against the torch reference, the
-#              backends' own tests, auto's CUDA-event timing (pytest -n 8)
+#   parity     the GPU tests: every GPU op against the torch reference (the
+#              block-scaled formats' in tests/ops/test_parity_microscaling.py),
+#              the backends' own tests, auto's CUDA-event timing (pytest -n 8)
 #   memcheck   if time is left and compute-sanitizer runs: every op of the cuda
 #              and triton backends at 1, 1023 and 4097 elements under memcheck
 #              (bench/gpu_memcheck.py)
@@ -246,7 +248,8 @@ fi
 [ "$dry_run" -eq 0 ] || parity=(--collect-only -q)
 section parity 120 1 python3 -m pytest "${parity[@]}" -rfE --tb=short -p no:cacheprovider \
   --junitxml "$out/parity.xml" -m "gpu or not slow" -k "triton or cuda or gpu or nccl" \
-  tests/ops/test_parity.py tests/kernels/test_triton.py tests/kernels/test_cuda.py \
+  tests/ops/test_parity.py tests/ops/test_parity_microscaling.py tests/kernels/test_triton.py \
+  tests/kernels/test_cuda.py \
   tests/collectives/test_streams.py tests/collectives/test_subgroups.py
 
 # If time is left: memcheck over every op of the GPU backends. PyTorch's caching

@@ -62,6 +62,12 @@ TARGETS = {
     "quantize_int4_ef": (0.8, 3.0),
     "sign_ef": (0.8, 3.0),
     "dequantize_int8_accumulate": (0.8, None),
+    "quantize_mxfp8_ef": (0.8, None),
+    "quantize_mxfp4_ef": (0.8, None),
+    "quantize_nvfp4_ef": (0.8, None),
+    "dequantize_mxfp8_accumulate": (0.8, None),
+    "dequantize_mxfp4_accumulate": (0.8, None),
+    "dequantize_nvfp4_accumulate": (0.8, None),
 }
 # The fused Top-K at 1% on the backend dispatch picks, at 64M and 256M elements: at least
 # this fraction of a copy's bandwidth (the op section) and this many times faster than
@@ -90,6 +96,8 @@ def build_cases(n: int, device: torch.device):
     k = max(1, n // 100)
     codes8, scales8 = ops.backend("torch").quantize_blockwise(x, 8, 256)
     signs, sign_scales = ops.backend("torch").sign_compress(x, 1024)
+    mxfp8, mxfp4 = (ops.backend("torch").mx_quantize(x, element) for element in ("e4m3", "e2m1"))
+    nvfp4 = ops.backend("torch").nvfp4_quantize(x)
     # Backends are called directly, with complete arguments (what the op
     # boundary's checks would complete): the timings are the kernels'.
     int8, int4, index_dtype = {"levels": 127}, {"levels": 7}, reference.index_dtype_for(n)
@@ -101,6 +109,10 @@ def build_cases(n: int, device: torch.device):
     feedback, accumulate = 12 * n, 8 * n
     int8_payload, int4_payload = n + 4 * (n // 256), n // 2 + 4 * (n // 256)
     sign_payload, sparse_payload = n // 8 + 4 * (n // 1024), 8 * k
+    mxfp8_payload, mxfp4_payload, nvfp4_payload = n + n // 32, n // 2 + n // 32, n // 2 + n // 16 + 4
+    # NVFP4's tensor scale is the absmax of x + residual, known only once the whole
+    # tensor is read: its encoder reads x and the residual twice (8 bytes an element more).
+    nvfp4_feedback = feedback + 8 * n
     seeds = itertools.count(5)
     cases = {
         "copy": (None, 8 * n, lambda impl: copy_target.copy_(x)),
@@ -128,6 +140,36 @@ def build_cases(n: int, device: torch.device):
             "dequantize_blockwise",
             accumulate + int8_payload,
             lambda impl: impl("dequantize_blockwise")(codes8, scales8, 8, 256, n, out, True, **int8),
+        ),
+        "quantize_mxfp8_ef": (
+            "mx_quantize",
+            feedback + mxfp8_payload,
+            lambda impl: impl("mx_quantize")(x, "e4m3", 32, residual),
+        ),
+        "quantize_mxfp4_ef": (
+            "mx_quantize",
+            feedback + mxfp4_payload,
+            lambda impl: impl("mx_quantize")(x, "e2m1", 32, residual),
+        ),
+        "quantize_nvfp4_ef": (
+            "nvfp4_quantize",
+            nvfp4_feedback + nvfp4_payload,
+            lambda impl: impl("nvfp4_quantize")(x, 16, residual),
+        ),
+        "dequantize_mxfp8_accumulate": (
+            "mx_dequantize",
+            accumulate + mxfp8_payload,
+            lambda impl: impl("mx_dequantize")(*mxfp8, "e4m3", 32, n, out, True),
+        ),
+        "dequantize_mxfp4_accumulate": (
+            "mx_dequantize",
+            accumulate + mxfp4_payload,
+            lambda impl: impl("mx_dequantize")(*mxfp4, "e2m1", 32, n, out, True),
+        ),
+        "dequantize_nvfp4_accumulate": (
+            "nvfp4_dequantize",
+            accumulate + nvfp4_payload,
+            lambda impl: impl("nvfp4_dequantize")(*nvfp4, 16, n, out, True),
         ),
         "sign_decode_accumulate": (
             "sign_decompress",
