@@ -206,18 +206,27 @@ class Compression:
         check_tensor(tensor)
         ops.check_forced_backend()
         manager = self.manager
+        if getattr(manager, "_quorum_future", True) is None:
+            raise RuntimeError(
+                "gradcomp on torchft: no quorum started: call the Manager's start_quorum() (the "
+                "optimizer wrapper's zero_grad()) before the step's all-reduces"
+            )
         if manager.errored() is not None:
             return None
         try:
             manager.wait_quorum()
-            q = self._quorum_group()
-            participants = manager.num_participants()
-            feedback = self.feedback
-            if not manager.is_participating():
-                tensor.zero_()
-                feedback = self._sat_out = self._sat_out or ErrorFeedback()
-            key = key_of(name)
-            algorithm = check_algorithm(self.compressor, self.algorithm, q.world_size)
+        except Exception as error:  # no quorum: torchft discards the step
+            manager.report_error(error)
+            return None
+        q = self._quorum_group()
+        participants = manager.num_participants()
+        feedback = self.feedback
+        if not manager.is_participating():
+            tensor.zero_()
+            feedback = self._sat_out = self._sat_out or ErrorFeedback()
+        key = key_of(name)
+        algorithm = check_algorithm(self.compressor, self.algorithm, q.world_size)
+        try:
             with self._log.recording():
                 if feedback is self.feedback:
                     self._hand_over(key, q, algorithm, tensor)

@@ -180,6 +180,16 @@ def test_settings_torchft_cannot_run_raise(manager):
         Compression(manager, "powersgd", algorithm="allgather", key="powersgd")
 
 
+def test_an_all_reduce_before_the_quorum_raises(manager):
+    from gradcomp.integrations.torchft import Compression
+
+    compression = Compression(manager, "int8", key="early")
+    with pytest.raises(RuntimeError, match="start_quorum"):
+        compression.all_reduce(torch.ones(4), "w")
+    with pytest.raises(TypeError, match="float32, float16"):
+        compression.all_reduce(torch.ones(4, dtype=torch.int64), "w")
+
+
 def test_a_peer_with_another_compressor_is_refused_at_the_heal(manager):
     from gradcomp.integrations.torchft import Compression
 
