@@ -259,37 +259,14 @@ def test_usage_torchft_snippet_trains_and_commits():
     """The torchft snippet on one replica group with a real Manager and lighthouse (the
     failures and heals of several: tests/integrations/test_torchft.py)."""
     pytest.importorskip("torchft", reason="torchft has wheels for Linux x86-64 only")
-    import datetime
-
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
-    from torchft._torchft import LighthouseServer
+    from tests.integrations.torchft_setup import one_replica_group
 
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     before = [p.detach().clone() for p in module.parameters()]
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=10)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=module.load_state_dict,
-        state_dict=module.state_dict,
-        min_replica_size=1,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=lighthouse.address(),
-        replica_id=f"readme_{os.getpid()}",
-        timeout=timeout,
-    )
-    try:
+    with one_replica_group(module.load_state_dict, module.state_dict, "readme") as manager:
         x, y = torch.randn(16, 8), torch.randn(16, 2)
         scope = {"torch": torch, "manager": manager, "module": module, "steps": 3, "x": x, "y": y}
         scope["loss_fn"] = torch.nn.functional.mse_loss
         exec(block("torchft"), scope)
         assert manager.current_step() == 3 and scope["compression"].commits == 3
         assert not any(torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
-    finally:
-        manager.shutdown(wait=False)
-        lighthouse.shutdown()

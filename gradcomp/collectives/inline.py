@@ -11,6 +11,7 @@ caller's order, which is the same on every rank.
 
 from __future__ import annotations
 
+import datetime
 import threading
 
 import torch.distributed as dist
@@ -42,12 +43,22 @@ class InlineGroup:
         "lock",
     )
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ranks: list[int] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ):
+        """``rank``, ``world_size``, ``ranks`` and ``timeout`` default to what torch says of
+        ``group``; a group outside torch.distributed's world (torchft's) gives them."""
         self.group = group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.ranks = dist.get_process_group_ranks(self.group)
-        timeout = group_timeout(self.group) or dist.constants.default_pg_timeout
+        self.rank = dist.get_rank(self.group) if rank is None else rank
+        self.world_size = dist.get_world_size(self.group) if world_size is None else world_size
+        self.ranks = dist.get_process_group_ranks(self.group) if ranks is None else ranks
+        timeout = timeout or group_timeout(self.group) or dist.constants.default_pg_timeout
         self.timeout_seconds = timeout.total_seconds()
         self.verified: set[tuple] = set()
         self.hierarchies: dict = {}

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import threading
 from collections.abc import Hashable
 
 import torch
@@ -51,6 +50,7 @@ import torch.distributed as dist
 from gradcomp import ops
 from gradcomp.collectives.agreement import settings_key
 from gradcomp.collectives.dispatch import job_steps
+from gradcomp.collectives.inline import InlineGroup
 from gradcomp.collectives.job import Job
 from gradcomp.collectives.low_rank import warm_start_key
 from gradcomp.collectives.policy import HIERARCHICAL, check_algorithm
@@ -61,39 +61,6 @@ from gradcomp.collectives.worker import drive
 from gradcomp.compressors import Compressor, get_compressor
 from gradcomp.compressors.base import check_tensor
 from gradcomp.feedback import ErrorFeedback, UndoLog
-
-
-class QuorumGroup:
-    """What gradcomp's algorithms read of a group (as
-    :class:`~gradcomp.collectives.inline.InlineGroup`), for the communicator a torchft
-    process group holds for one quorum: its rank and size are the quorum's."""
-
-    __slots__ = (
-        "group",
-        "rank",
-        "world_size",
-        "ranks",
-        "timeout_seconds",
-        "verified",
-        "hierarchies",
-        "lanes",
-        "plans",
-        "layout_exchanges",
-        "lock",
-    )
-
-    def __init__(self, communicator: dist.ProcessGroup, timeout: datetime.timedelta | None):
-        self.group = communicator
-        self.rank = communicator.rank()
-        self.world_size = communicator.size()
-        self.ranks = list(range(self.world_size))  # the quorum's ranks: no global ones
-        self.timeout_seconds = (timeout or dist.constants.default_pg_timeout).total_seconds()
-        self.verified: set[tuple] = set()
-        self.hierarchies: dict = {}
-        self.lanes: dict = {}
-        self.plans: dict = {}
-        self.layout_exchanges = 0
-        self.lock = threading.Lock()
 
 
 def communicator_of(pg) -> dist.ProcessGroup:
@@ -177,7 +144,7 @@ class Compression:
         self.algorithm = algorithm
         self.feedback = ErrorFeedback()
         self._log = UndoLog(self.feedback)
-        self._group: QuorumGroup | None = None
+        self._group: InlineGroup | None = None
         self._routes: dict[int, _Route] = {}  # as of the last commit
         self._step_routes: dict[int, _Route] = {}  # this step's
         self._sat_out: ErrorFeedback | None = None  # this step's residuals of a replica not participating
@@ -263,15 +230,23 @@ class Compression:
             self.discards += 1
         return committed
 
-    def _quorum_group(self) -> QuorumGroup:
+    def _quorum_group(self) -> InlineGroup:
         """The group view of the communicator the Manager configured last; a new one when
         it changed (a new quorum)."""
         communicator = communicator_of(self.manager._pg)
         if self._group is None or self._group.group is not communicator:
-            self._group = QuorumGroup(communicator, getattr(self.manager._pg, "_timeout", None))
+            size = communicator.size()  # the quorum's ranks: no global ones
+            timeout = getattr(self.manager._pg, "_timeout", None) or dist.constants.default_pg_timeout
+            self._group = InlineGroup(
+                communicator,
+                rank=communicator.rank(),
+                world_size=size,
+                ranks=list(range(size)),
+                timeout=timeout,
+            )
         return self._group
 
-    def _hand_over(self, key: int, q: QuorumGroup, algorithm: str, tensor: torch.Tensor) -> None:
+    def _hand_over(self, key: int, q: InlineGroup, algorithm: str, tensor: torch.Tensor) -> None:
         """Where tensor ``key`` was reduced in another quorum (or by another algorithm), the
         residual a two_phase owner kept of the chunks it owned there goes into this
         replica's own residual, to be sent by this call."""

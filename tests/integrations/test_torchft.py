@@ -9,9 +9,7 @@ bit for bit."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,6 +20,8 @@ import pytest
 import torch
 
 torchft = pytest.importorskip("torchft", reason="torchft has wheels for Linux x86-64 only")
+
+from tests.integrations.torchft_setup import one_replica_group  # noqa: E402
 
 REPLICA = Path(__file__).with_name("torchft_replica.py")
 STEPS, DIE_AT = 12, 4
@@ -142,31 +142,8 @@ def test_a_killed_replica_group_heals_and_every_replica_ends_bitwise_equal(tmp_p
 
 @pytest.fixture(scope="module")
 def manager():
-    """A real Manager of one replica group, on a lighthouse of its own."""
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=10)
-    made = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda state: None,
-        state_dict=dict,
-        min_replica_size=1,
-        use_async_quorum=False,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=lighthouse.address(),
-        replica_id=f"unit_{os.getpid()}",
-        timeout=timeout,
-    )
-    yield made
-    made.shutdown(wait=False)
-    lighthouse.shutdown()
+    with one_replica_group(lambda state: None, dict, "unit") as made:
+        yield made
 
 
 def test_settings_torchft_cannot_run_raise(manager):
