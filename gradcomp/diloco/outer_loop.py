@@ -19,7 +19,7 @@ from gradcomp.collectives.arrival import wait_for_every_rank
 from gradcomp.collectives.chooser import as_chooser
 from gradcomp.collectives.inline import InlineGroup
 from gradcomp.compressors import Compressor, get_compressor, split_options
-from gradcomp.diloco import checkpoint
+from gradcomp.diloco import checkpoint, replicas
 from gradcomp.diloco.fragments import Exchange, by_dtype, split, starting
 from gradcomp.diloco.outer_sgd import LearningRateSums, outer_step
 from gradcomp.feedback import ErrorFeedback, UndoLog, all_finite
@@ -102,6 +102,11 @@ class DiLoCo:
         total_steps: the run's inner steps: the last loads the replicas' average
             (see above), and a step past it raises. Ranks must agree on it; a
             checkpoint resumes under another (a longer run). None: no end.
+        manager: a :class:`torchft.Manager` (synchronous quorum): average over its replica
+            groups, each exchange one torchft step, committed or discarded together, a
+            restarted group healed into its peers' next exchange
+            (:mod:`gradcomp.diloco.replicas`). No ``group``, ``node_size`` or
+            ``overlap_steps`` then; made on every replica group at its start.
         compressor_options: the compressor's own options (``ratio``, ``block``...).
 
     Example:
@@ -128,6 +133,7 @@ class DiLoCo:
         overlap_steps: int = 0,
         follow_inner_lr: bool = True,
         total_steps: int | None = None,
+        manager=None,
         **compressor_options,
     ):
         _check_arguments(model, sync_every, fragments, overlap_steps, total_steps, outer_lr, outer_momentum)
@@ -155,10 +161,17 @@ class DiLoCo:
         self.total_steps = total_steps
         self.lr_sums = LearningRateSums(inner, self.params, fragments, self.follow_inner_lr)
         # total_steps may change between a checkpoint and its resume, not between ranks
-        agreed = {**self.settings(), "total_steps": total_steps}
-        _agree_and_copy_rank_0(model, group, agreed, self.params[0].device)
+        self.replicas: replicas.Replicas | None = None
+        if manager is None:
+            agreed = {**self.settings(), "total_steps": total_steps}
+            _agree_and_copy_rank_0(model, group, agreed, self.params[0].device)
+        else:
+            replicas.check(manager, self, group, node_size, overlap_steps)
         self.anchor = [p.detach().clone() for p in self.params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
+        if manager is not None:  # the first quorum: healed from a peer where it is behind
+            self.replicas = replicas.Replicas(self, manager)
+            self.replicas.join()
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -199,6 +212,8 @@ class DiLoCo:
                 "average (make DiLoCo with a larger total_steps to train on)"
             )
         self.local_step += 1
+        if self.replicas is not None:
+            return self.replicas.step()
         if self.local_step == self.total_steps:
             return self._land_everything(average=True)
         stats = None
@@ -218,6 +233,8 @@ class DiLoCo:
         average instead). It is an outer step of every fragment (momentum and step
         counts move) outside the schedule, which goes on as before. Every rank calls
         it at the same step."""
+        if self.replicas is not None:
+            return self.replicas.synchronize()
         return self._land_everything(average=False)
 
     def _land_everything(self, average: bool) -> ReduceStats | None:
@@ -248,6 +265,9 @@ class DiLoCo:
             dtype = str(self.params[typed[0]].dtype)
             delta = torch.cat([(self.anchor[i] - self.params[i]).reshape(-1) for i in typed])
             name = ("diloco", dtype) if len(self.fragments) == 1 else ("diloco", fragment, dtype)
+            if self.replicas is not None:  # torchft's step: synchronous, its residuals settled at the commit
+                self.replicas.reduce(exchange, typed, delta, name)
+                continue
             with exchange.log.recording():
                 work = all_reduce(
                     delta,

@@ -30,13 +30,15 @@ STEPS, DIE_AT = 12, 4
 class _Replica:
     """A replica process and the JSON lines it printed."""
 
-    def __init__(self, lighthouse: str, index: int, compressor: str, out: Path, *options: str):
+    def __init__(
+        self, lighthouse: str, index: int, compressor: str, out: Path, *options: str, steps: int = STEPS
+    ):
         command = [
             sys.executable,
             str(REPLICA),
             lighthouse,
             str(index),
-            str(STEPS),
+            str(steps),
             compressor,
             str(out),
             *options,
@@ -67,15 +69,22 @@ def _until(condition, seconds: float = 120) -> None:
         time.sleep(0.02)
 
 
-def _run(tmp_path: Path, compressor: str, *options: str) -> tuple[list[_Replica], list[dict], list[dict]]:
+def _run(
+    tmp_path: Path,
+    compressor: str,
+    *options: str,
+    die_at: int = DIE_AT,
+    hold_at: int = DIE_AT + 3,
+    steps: int = STEPS,
+) -> tuple[list[_Replica], list[dict], list[dict]]:
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=500
+        bind="[::]:0", min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=500
     )
     try:
         go, rejoined = tmp_path / "go", tmp_path / "rejoined"
-        hold = ("--hold-at", str(DIE_AT + 3), "--hold-gate", str(rejoined))
+        hold = ("--hold-at", str(hold_at), "--hold-gate", str(rejoined))
         replicas = [
             _Replica(
                 lighthouse.address(),
@@ -84,8 +93,9 @@ def _run(tmp_path: Path, compressor: str, *options: str) -> tuple[list[_Replica]
                 tmp_path / f"weights{i}.pt",
                 "--gate",
                 str(go),
-                *(("--die-at", str(DIE_AT)) if i == 2 else hold),
+                *(("--die-at", str(die_at)) if i == 2 else hold),
                 *options,
+                steps=steps,
             )
             for i in range(3)
         ]
@@ -93,7 +103,9 @@ def _run(tmp_path: Path, compressor: str, *options: str) -> tuple[list[_Replica]
         go.touch()
         assert replicas[2].wait() == 1
         killed = replicas[2].steps()
-        replicas[2] = _Replica(lighthouse.address(), 2, compressor, tmp_path / "weights2.pt", *options)
+        replicas[2] = _Replica(
+            lighthouse.address(), 2, compressor, tmp_path / "weights2.pt", *options, steps=steps
+        )
         _until(lambda: any("ready" in r for r in replicas[2].records))
         rejoined.touch()
         codes = [replica.wait() for replica in replicas]
@@ -135,6 +147,39 @@ def test_a_killed_replica_group_heals_and_every_replica_ends_bitwise_equal(tmp_p
             if r["committed"]:
                 by_step.setdefault(r["step"], set()).add(r["weights"])
     assert all(len(hashes) == 1 for hashes in by_step.values()), by_step
+    weights = [torch.load(tmp_path / f"weights{i}.pt", weights_only=True) for i in range(3)]
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][name], other[name]) for name in weights[0])
+
+
+@pytest.mark.slow
+def test_diloco_across_replica_groups_discards_a_failed_exchange_and_heals_a_restarted_group(tmp_path):
+    """gradcomp's DiLoCo with manager=: H = 4 over 24 inner steps, int4. Replica group 2 dies
+    inside the exchange at step 8 and restarts; it joins its peers' exchange at 16."""
+    replicas, killed, healed = _run(tmp_path, "int4", "--diloco", "4", die_at=8, hold_at=13, steps=24)
+    survivors = [[r for r in replica.records if "step" in r] for replica in replicas[:2]]
+    for records in survivors:
+        assert [r["step"] for r in records] == [4, 8, 12, 16, 20, 24]
+        failed = records[1]
+        assert not failed["committed"] and all(r["committed"] for r in records[2:])
+        # Discarded: the weights back at the anchor the exchange started from, the residuals as before.
+        assert failed["weights"] == failed["anchor"] == records[0]["anchor"]
+        assert failed["residual_sq"] == failed["residual_sq_before"]
+        assert records[2]["participants"] == 2 and records[-1]["participants"] == 3
+        assert records[-1]["bytes_sent"] < records[-1]["dense_bytes"] / 4
+    assert [r["step"] for r in killed] == [4]
+    joined = next(r for r in replicas[2].records if "joined" in r)
+    assert joined["joined"] == 16 and joined["healed"]
+    assert [r["step"] for r in healed] == [20, 24]
+    # Every exchange: one anchor on every replica group that committed it (the healed one's
+    # join included), and the weights equal to it.
+    by_step: dict[int, set[str]] = {16: {joined["anchor"]}}
+    for records in (*survivors, killed, healed):
+        for r in records:
+            if r["committed"]:
+                by_step.setdefault(r["step"], set()).add(r["anchor"])
+                assert r["weights"] == r["anchor"]
+    assert all(len(anchors) == 1 for anchors in by_step.values()), by_step
     weights = [torch.load(tmp_path / f"weights{i}.pt", weights_only=True) for i in range(3)]
     for other in weights[1:]:
         assert all(torch.equal(weights[0][name], other[name]) for name in weights[0])

@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument("--hold-gate")
     parser.add_argument("--async-quorum", action="store_true")
+    parser.add_argument("--diloco", type=int, default=0, help="sync_every: gradcomp's DiLoCo instead of DDP")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -98,6 +99,8 @@ def main() -> None:
         timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=30),
     )
+    if args.diloco:
+        diloco(args, manager, module, inner, heals)
     compression = Compression(manager, args.compressor)
     model = DistributedDataParallel(manager, module, compression)
     optimizer = OptimizerWrapper(manager, inner, compression)
@@ -132,10 +135,72 @@ def main() -> None:
             "dense_bytes": compression.dense_bytes,
         }
         print(json.dumps(record), flush=True)
+    finish(args, manager, module)
+
+
+def finish(args, manager, module: torch.nn.Module) -> None:
     torch.save({name: p.detach().clone() for name, p in module.named_parameters()}, args.out)
     manager.shutdown(wait=False)
     sys.stdout.flush()
     os._exit(0)
+
+
+def diloco(args, manager, module: torch.nn.Module, inner: torch.optim.Optimizer, heals: list) -> None:
+    """The run with gradcomp's DiLoCo: ``--die-at`` is an exchange's inner step, where the
+    process exits inside the exchange, after the quorum, before its all-reduce."""
+    import gradcomp
+    from gradcomp.integrations.torchft import Compression
+
+    reduce = Compression.all_reduce
+
+    def dying(self, tensor, name, op="avg"):
+        if outer_steps.local_step == args.die_at:
+            print(json.dumps({"dying": args.die_at}), flush=True)
+            os._exit(1)
+        return reduce(self, tensor, name, op)
+
+    Compression.all_reduce = dying
+    outer_steps = argparse.Namespace(local_step=0)
+    print(json.dumps({"ready": args.replica}), flush=True)
+    wait_for(args.gate)
+    outer = gradcomp.DiLoCo(
+        module,
+        inner,
+        sync_every=args.diloco,
+        compressor=args.compressor,
+        manager=manager,
+        total_steps=args.steps,
+    )
+    outer_steps = outer
+    feedback, replicas = outer.feedback, outer.replicas
+
+    def record(**fields) -> None:
+        residuals = feedback.state_dict()["residuals"].values()
+        fields.update(
+            participants=manager.num_participants(),
+            weights=weights_hash(module),
+            anchor=hashlib.sha256(b"".join(a.numpy().tobytes() for a in outer.anchor)).hexdigest()[:16],
+            residual_sq=sum(float(r.double().square().sum()) for r in residuals),
+            bytes_sent=replicas.compression.bytes_sent,
+            dense_bytes=replicas.compression.dense_bytes,
+        )
+        print(json.dumps(fields), flush=True)
+
+    # Where it joined: the run's start, or (healed) its peers' exchange at that inner step.
+    record(joined=outer.local_step, healed=bool(heals), commits=replicas.commits)
+    while outer.local_step < args.steps:
+        if outer.local_step == args.hold_at:
+            wait_for(args.hold_gate)
+        x, y = batch(args.replica, outer.local_step)
+        torch.nn.functional.mse_loss(module(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        commits, discards = replicas.commits, replicas.discards
+        before = sum(float(r.double().square().sum()) for r in feedback.state_dict()["residuals"].values())
+        outer.step()
+        if (replicas.commits, replicas.discards) != (commits, discards):  # an exchange
+            record(step=outer.local_step, committed=replicas.commits > commits, residual_sq_before=before)
+    finish(args, manager, module)
 
 
 if __name__ == "__main__":
