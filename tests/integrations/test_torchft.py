@@ -244,3 +244,22 @@ def test_the_communicator_is_the_configured_group_and_an_unconfigured_one_is_nam
         communicator_of(ProcessGroupGloo())
     with pytest.raises(TypeError, match="ProcessGroupGloo and ProcessGroupNCCL"):
         communicator_of(object())
+
+
+def test_diloco_settings_torchft_cannot_take_raise(manager):
+    import gradcomp
+
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="overlap_steps=0"):
+        gradcomp.DiLoCo(model, inner, 4, manager=manager, overlap_steps=1)
+    with pytest.raises(ValueError, match="no group or node_size"):
+        gradcomp.DiLoCo(model, inner, 4, manager=manager, group=object())
+    with pytest.raises(ValueError, match="fixed compressor"):
+        gradcomp.DiLoCo(model, inner, 4, compressor="auto", manager=manager)
+    manager._use_async_quorum = True  # as Manager(use_async_quorum=True) sets it
+    try:
+        with pytest.raises(ValueError, match="use_async_quorum=False"):
+            gradcomp.DiLoCo(model, inner, 4, manager=manager)
+    finally:
+        manager._use_async_quorum = False
