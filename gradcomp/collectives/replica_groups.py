@@ -58,6 +58,11 @@ def communicator_of(pg) -> dist.ProcessGroup:
     return seen
 
 
+# What a failed exchange raises (Gloo's and NCCL's errors, a timeout, a peer gone): reported to
+# the Manager, which discards the step. Anything else is a bug or misuse and raises.
+EXCHANGE_ERRORS = (RuntimeError, TimeoutError, ConnectionError)
+
+
 @dataclasses.dataclass
 class _Route:
     """How a tensor was last reduced: the quorum's size and this replica's rank, the algorithm."""
@@ -120,6 +125,7 @@ class Compression:
         self._routes: dict[int, _Route] = {}  # as of the last commit
         self._step_routes: dict[int, _Route] = {}  # this step's
         self._sat_out: ErrorFeedback | None = None  # this step's residuals of a replica not participating
+        self._quorum = None  # the quorum (its future) of the step the residual changes belong to
         self._replicated: dict = {}  # the state every replica holds alike, at the last commit
         self.bytes_sent = 0
         self.dense_bytes = 0
@@ -147,6 +153,9 @@ class Compression:
         ops.check_forced_backend()
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        if not tensor.is_contiguous():
+            raise ValueError("gradcomp on torchft reduces contiguous tensors in place: pass a contiguous one")
+        self._check_device(tensor.device)
         q = self._ready()
         if q is None:
             return None
@@ -164,9 +173,9 @@ class Compression:
                     self._hand_over(key, q, algorithm, tensor)
                 job = Job(tensor, self.compressor, "sum", algorithm, feedback, key, manager.current_step())
                 stats = drive(job_steps(job, q))
-        except ValueError:
-            raise  # settings that differ between replicas: no retry mends them
-        except Exception as error:  # the exchange failed: torchft discards the step
+        except EXCHANGE_ERRORS as error:  # the exchange failed: torchft discards the step
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
             manager.report_error(error)
             return None
         if op == "avg":
@@ -175,20 +184,28 @@ class Compression:
         self.dense_bytes += stats.dense_bytes
         return stats
 
-    def count(self, value: float, device: torch.device | str = "cpu") -> float | None:
-        """The sum of ``value`` over the quorum's replica groups (fp64, exact for counts; a
-        tensor on ``device``, a CUDA one for NCCL); None where the exchange failed
-        (reported to the Manager, as :meth:`all_reduce`)."""
+    def sums(self, values: list[float], device: torch.device) -> list[float] | None:
+        """The sums of ``values`` over the quorum's replica groups (fp64: exact for counts and
+        small integers; a tensor on ``device``, the tensors' device, a CUDA one for NCCL);
+        None where the exchange failed (reported to the Manager, as :meth:`all_reduce`)."""
+        self._check_device(torch.device(device))
         q = self._ready()
         if q is None:
             return None
-        total = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
         try:
             dist.all_reduce(total, group=q.group)
-        except Exception as error:
+        except EXCHANGE_ERRORS as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
             self.manager.report_error(error)
             return None
-        return float(total)
+        return total.tolist()
+
+    def _check_device(self, device: torch.device) -> None:
+        backend = str(getattr(self.manager._pg, "getBackendName", lambda: "")())
+        if "nccl" in backend and device.type != "cuda":
+            raise ValueError(f"gradcomp on torchft: {backend} reduces CUDA tensors, not {device.type} ones")
 
     def _ready(self) -> InlineGroup | None:
         """The step's quorum waited for, its group view; None where the step already failed
@@ -206,12 +223,31 @@ class Compression:
         except Exception as error:  # no quorum: torchft discards the step
             manager.report_error(error)
             return None
+        if manager.errored() is not None:  # the quorum's reconfiguration failed (torchft reported it)
+            return None
+        quorum = manager._quorum_future
+        if self._quorum is not quorum and (
+            self._log.before or self._step_routes or self._sat_out is not None
+        ):
+            raise RuntimeError(
+                "gradcomp on torchft: a new step began before the last one was settled: commit through "
+                "Compression.should_commit() (gradcomp's OptimizerWrapper does), not the Manager's own"
+            )
+        self._quorum = quorum
         return self._quorum_group()
 
     def should_commit(self, timeout: datetime.timedelta | None = None) -> bool:
         """``manager.should_commit()``, with the residuals settled: the step's kept where
         the replicas commit it, those before it put back where they discard it."""
-        committed = self.manager.should_commit(timeout)
+        try:
+            committed = self.manager.should_commit(timeout)
+        except BaseException:  # no verdict (torchft's retries ran out, its RPC timed out): as discarded
+            self._settle(False)
+            raise
+        self._settle(committed)
+        return committed
+
+    def _settle(self, committed: bool) -> None:
         sat_out, self._sat_out = self._sat_out, None
         routes, self._step_routes = self._step_routes, {}
         if committed:
@@ -227,7 +263,6 @@ class Compression:
         else:
             self._log.undo()
             self.discards += 1
-        return committed
 
     def _quorum_group(self) -> InlineGroup:
         """The group view of the communicator the Manager configured last; a new one when
@@ -250,14 +285,14 @@ class Compression:
         residual a two_phase owner kept of the chunks it owned there goes into this
         replica's own residual, to be sent by this call."""
         route = _Route(q.world_size, q.rank, algorithm)
-        last = self._routes.get(key)
+        last = self._step_routes.get(key) or self._routes.get(key)  # a second call this step: its route
         self._step_routes[key] = route
         if last is None or last == route:
             return
         held = self.feedback.pop(owner_key(key))
         if held is None:
             return
-        flat = tensor.view(-1)
+        flat = tensor.reshape(-1)
         residual = self.feedback.residual(key, flat)
         at = 0
         for begin, end in owner_ranges(
@@ -291,7 +326,12 @@ class Compression:
         """For this replica's own checkpoint: its residuals, as of the last commit."""
         if self._log.before:
             raise RuntimeError("gradcomp on torchft: save between steps, after should_commit()")
-        return {"settings": settings_key(self.compressor), "feedback": self.feedback.state_dict()}
+        routes = {key: dataclasses.astuple(route) for key, route in self._routes.items()}
+        return {
+            "settings": settings_key(self.compressor),
+            "feedback": self.feedback.state_dict(),
+            "routes": routes,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["settings"] != settings_key(self.compressor):
@@ -301,7 +341,10 @@ class Compression:
             )
         self.feedback.load_state_dict(state["feedback"])
         self._replicated = {name: self.feedback.get(name).clone() for name in _replicated_keys(self.feedback)}
-        self._routes.clear()
+        # Where each tensor was last reduced: a two_phase owner's residual is handed over from
+        # there if this run's quorum differs.
+        self._routes = {key: _Route(*route) for key, route in state.get("routes", {}).items()}
+        self._step_routes.clear()
 
 
 def _replicated_keys(feedback: ErrorFeedback) -> list:

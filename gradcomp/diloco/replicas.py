@@ -28,6 +28,7 @@ from gradcomp.collectives import ReduceStats
 from gradcomp.collectives.replica_groups import Compression
 from gradcomp.compressors import Compressor
 from gradcomp.diloco.fragments import Exchange, starting
+from gradcomp.feedback import all_finite
 
 
 def check(manager, outer, group, node_size, overlap_steps) -> None:
@@ -57,31 +58,31 @@ class Replicas:
         )
         outer.feedback = self.compression.feedback
         self.healed = False
+        self.healed_into: tuple[list[int], bool] = ([], False)  # the exchange its peers were in
+        self.pending: tuple[list[int], bool] = ([], False)  # the exchange this group is in
         self.commits = self.discards = 0
         manager.register_state_dict_fn("gradcomp.diloco", self._load_heal_state, self._heal_state)
 
     @torch.no_grad()
     def join(self) -> None:
         """This replica group's first quorum: at the run's start every group's, with the
-        others; later, its peers' next exchange, which it takes part in once healed."""
+        others; later, its peers' next exchange (the one they were in when it healed from
+        them), which it takes part in."""
         outer = self.outer
+        self.pending = ([], False)
         self.manager.start_quorum()
-        due = []
-        if self.healed and outer.local_step > 0:
-            last = outer.local_step == outer.total_steps
-            due = (
-                range(len(outer.fragments))
-                if last
-                else starting(outer.local_step, outer.sync_every, len(outer.fragments))
-            )
-        if due:
-            self._exchange(list(due), average=outer.local_step == outer.total_steps, started=True)
-        else:  # the run's start: healed from a peer's first weights, it trains this period
-            self.healed = False
-            # A collective before the commit: a peer serves its state to the groups that heal
-            # from it only until its commit, and this one returns once they have it.
-            self.compression.count(0.0, outer.params[0].device)
-            self._commit()
+        fragments, average = self.healed_into if self.healed else ([], False)
+        if fragments:
+            self._exchange(fragments, average=average, started=True)
+            return
+        # The run's start: healed from a peer's first weights, it trains this period. A
+        # collective before the commit: a peer serves its state to the groups that heal
+        # from it only until its own commit, and this one returns once they have it.
+        self.healed = False
+        sums = self.compression.sums([0.0, *_step_terms(outer.local_step)], outer.params[0].device)
+        committed = self._commit()
+        if committed and sums is not None:
+            _check_steps(sums[1:], outer.local_step)
 
     def step(self) -> ReduceStats | None:
         """(the inner step counted) The exchange due now, if any."""
@@ -106,25 +107,45 @@ class Replicas:
         self, fragments: list[int], average: bool = False, started: bool = False
     ) -> ReduceStats | None:
         """One torchft step: the quorum (unless ``started``), every fragment's sum, how many
-        groups trained, the commit; then each fragment's outer step (``average``: the
-        average loaded), or each set back to its anchor where the step is discarded."""
+        groups trained and at which inner step, the commit; then each fragment's outer
+        step (``average``: the average loaded), or each set back to its anchor where the
+        step is discarded (the run's last exchange is then due again at the next step)."""
         outer = self.outer
         if not started:
+            self.pending = (list(fragments), average)  # what a group healing from this one joins
             self.manager.start_quorum()
         trained = 0.0 if self.healed else 1.0
         self.healed = False
         exchanges = [outer._start(fragment, outer.local_step) for fragment in fragments]
-        counted = self.compression.count(trained, outer.params[0].device)
-        if not self._commit() or counted is None:
+        device = outer.params[0].device
+        sums = self.compression.sums([trained, *_step_terms(outer.local_step)], device)
+        deltas = [delta for exchange in exchanges for delta in exchange.deltas()]
+        problem = None
+        if sums is not None:
+            problem = _steps_differ(sums[1:], outer.local_step)
+            if problem is None and not all_finite(deltas):  # the same sums on every group: the same verdict
+                problem = FloatingPointError(
+                    f"DiLoCo: the replica groups' pseudo-gradients at inner step {outer.local_step} sum "
+                    "to NaN or Inf: some group's weights went non-finite in its inner steps. Raised on "
+                    "every group, the exchange discarded: DiLoCo's state as before it, the weights back "
+                    "at the anchor; load the inner optimizer's state (or a checkpoint) before going on"
+                )
+            if problem is not None:
+                self.manager.report_error(problem)
+        if not self._commit() or sums is None or problem is not None:
             for exchange in exchanges:
                 for i in outer.fragments[exchange.fragment]:
                     outer.params[i].copy_(outer.anchor[i])
                 outer.in_flight.remove(exchange)
+            if average:  # the run's last exchange: due again at the next step()
+                outer.local_step -= 1
+            if problem is not None:
+                raise problem
             return None
         stats = None
         for exchange in exchanges:
             for delta in exchange.deltas():
-                delta.div_(counted)
+                delta.div_(sums[0])
             exchange.log = None  # the residuals are settled: committed
             stats = outer._land(exchange, average=average)
         return stats
@@ -148,6 +169,7 @@ class Replicas:
             "anchor": [t.clone() for t in outer.anchor],
             "momentum": [t.clone() for t in outer.momentum],
             "lr_sums": outer.lr_sums.read(),
+            "pending": self.pending,
         }
 
     @torch.no_grad()
@@ -165,6 +187,31 @@ class Replicas:
         ):
             mine.copy_(theirs)
         outer.lr_sums.load(state["lr_sums"])
+        fragments, average = state["pending"]
+        self.healed_into = (list(fragments), bool(average))
         for param, anchor in zip(outer.params, outer.anchor, strict=True):
             param.copy_(anchor)
         self.healed = True
+
+
+def _step_terms(step: int) -> list[float]:
+    """What the groups sum to tell whether they all stand at inner step ``step``: a count,
+    the steps, their squares (all equal exactly when count * squares == steps ** 2)."""
+    return [1.0, float(step), float(step) ** 2]
+
+
+def _steps_differ(sums: list[float], step: int) -> ValueError | None:
+    groups, steps, squares = sums
+    if groups * squares == steps * steps:
+        return None
+    return ValueError(
+        "DiLoCo on torchft: the replica groups reached this exchange at different inner steps (this one "
+        f"at {step}, their mean {steps / groups:g}): every group steps alike (an uneven data shard, a "
+        "group that stepped once more?)"
+    )
+
+
+def _check_steps(sums: list[float], step: int) -> None:
+    problem = _steps_differ(sums, step)
+    if problem is not None:
+        raise problem

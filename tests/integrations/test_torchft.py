@@ -263,3 +263,32 @@ def test_diloco_settings_torchft_cannot_take_raise(manager):
             gradcomp.DiLoCo(model, inner, 4, manager=manager)
     finally:
         manager._use_async_quorum = False
+
+
+def test_a_step_left_unsettled_raises_at_the_next_and_misuse_raises_at_once(manager):
+    from gradcomp.integrations.torchft import Compression
+
+    compression = Compression(manager, "int8", key="unsettled")
+    with pytest.raises(ValueError, match="contiguous"):
+        compression.all_reduce(torch.ones(4, 4).t(), "w")
+    manager.start_quorum()
+    assert compression.all_reduce(torch.ones(300), "w") is not None  # one replica group: kept locally
+    manager.start_quorum()  # as torchft's own optimizer wrapper would, without gradcomp's commit
+    with pytest.raises(RuntimeError, match="Compression.should_commit"):
+        compression.all_reduce(torch.ones(300), "w")
+    assert compression.should_commit()
+    manager.start_quorum()
+    assert compression.all_reduce(torch.ones(300), "w") is not None
+    assert compression.should_commit() and compression.commits == 2
+
+
+def test_a_checkpoint_keeps_where_each_tensor_was_reduced(manager):
+    from gradcomp.collectives.replica_groups import _Route
+    from gradcomp.integrations.torchft import Compression
+
+    saved, restored = Compression(manager, "int8", key="saved"), Compression(manager, "int8", key="restored")
+    saved._routes[7] = _Route(3, 1, "two_phase")
+    saved.feedback.residual(7, torch.zeros(10)).fill_(2.0)
+    restored.load_state_dict(saved.state_dict())
+    assert restored._routes == {7: _Route(3, 1, "two_phase")}
+    assert torch.equal(restored.feedback.get(7), saved.feedback.get(7))
