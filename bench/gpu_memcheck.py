@@ -6,9 +6,13 @@ off so that every tensor is an allocation of its own and a read or write
 past a tensor's end is one past an allocation's. The sizes are the odd
 ones: a single element, one short of a power of two, one past a block.
 Payload rows (``*_rows``, ``*_sum``) are called too, with a trailing row no
-chunk uses. Each call goes through the op boundary (its checks complete
-the arguments) and is followed by a synchronize, so that an error is
-reported at the call that made it.
+chunk uses. The block-scaled formats (MXFP8 and MXFP4 in blocks of 32,
+NVFP4 in blocks of 16) meet the same sizes as a tail shorter than a block,
+an odd number of E2M1 codes (two a byte) and a single element; their row
+sums take three rows, the last ending where its allocation ends. Each call
+goes through the op boundary (its checks complete the arguments) and is
+followed by a synchronize, so that an error is reported at the call that
+made it.
 
 ``--dry-run`` calls the cpu and torch backends' ops on CPU tensors: the
 driver's own logic, without a GPU.
@@ -31,6 +35,8 @@ from gradcomp import ops
 SIZES = (1, 1023, 4097)
 BLOCK = 256
 SIGN_BLOCK = 1024
+MX_BLOCK = 32  # OCP MX's block; MXFP8's elements are E4M3, MXFP4's E2M1
+NVFP4_BLOCK = 16
 # Inputs made by the reference, through the op boundary (it completes the arguments).
 REFERENCE = ops.backend("torch")
 
@@ -42,6 +48,51 @@ def row_width(numel: int, bits: int, block: int) -> int:
 
 def rows(count: int, numel: int, bits: int, block: int, device: torch.device) -> torch.Tensor:
     return torch.full((count, row_width(numel, bits, block)), 0xA5, dtype=torch.uint8, device=device)
+
+
+def tight_rows(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """The payloads (uint8, one length) as rows 8 bytes apart, the last one ending where its
+    allocation ends: a read past a payload's end in the last row is one past the allocation."""
+    size = payloads[0].numel()
+    stride = math.ceil(size / 8) * 8
+    storage = torch.empty((len(payloads) - 1) * stride + size, dtype=torch.uint8, device=payloads[0].device)
+    rows = storage.as_strided((len(payloads), size), (stride, 1))
+    for row, payload in zip(rows, payloads, strict=True):
+        row.copy_(payload)
+    return rows
+
+
+def block_scaled_cases(n: int, randn, device: torch.device) -> Iterator[tuple[str, str, tuple, dict]]:
+    """The block-scaled formats' encoders, decoders and row sums at ``n`` elements."""
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for element in ("e4m3", "e2m1"):
+            yield f"{element} {name}", "mx_quantize", (randn(n, dtype), element, MX_BLOCK, randn(n)), {}
+        yield name, "nvfp4_quantize", (randn(n, dtype), NVFP4_BLOCK, randn(n)), {}
+
+    def bfloat16() -> torch.Tensor:  # the narrowest output
+        return torch.zeros(n, dtype=torch.bfloat16, device=device)
+
+    for element in ("e4m3", "e2m1"):
+        codes, scales = REFERENCE.mx_quantize(randn(n), element, MX_BLOCK)
+        payload = (codes, scales, element, MX_BLOCK, n)
+        yield f"{element} into bfloat16", "mx_dequantize", (*payload, bfloat16(), True), {}
+        yield f"{element} allocated", "mx_dequantize", payload, {}
+        rows = []
+        for _ in range(3):  # a row per rank: the scales, then the codes
+            codes, scales = REFERENCE.mx_quantize(randn(n), element, MX_BLOCK)
+            rows.append(torch.cat([scales, codes]))
+        sum_args = (tight_rows(rows), element, MX_BLOCK, n, bfloat16())
+        yield element, "mx_dequantize_sum", sum_args, {"divisor": 3}
+    codes, scales, tensor_scale = REFERENCE.nvfp4_quantize(randn(n), NVFP4_BLOCK)
+    payload = (codes, scales, tensor_scale, NVFP4_BLOCK, n)
+    yield "into bfloat16", "nvfp4_dequantize", (*payload, bfloat16(), True), {}
+    yield "allocated", "nvfp4_dequantize", payload, {}
+    rows = []
+    for _ in range(3):  # the tensor scale's 4 bytes, the block scales, then the codes
+        codes, scales, tensor_scale = REFERENCE.nvfp4_quantize(randn(n), NVFP4_BLOCK)
+        rows.append(torch.cat([tensor_scale.view(torch.uint8), scales, codes]))
+    yield "", "nvfp4_dequantize_sum", (tight_rows(rows), NVFP4_BLOCK, n, bfloat16()), {"divisor": 3}
 
 
 def cases(n: int, device: torch.device) -> Iterator[tuple[str, str, tuple, dict]]:
@@ -84,6 +135,7 @@ def cases(n: int, device: torch.device) -> Iterator[tuple[str, str, tuple, dict]
     for r in range(3):
         REFERENCE.sign_compress_rows(randn(n), BLOCK, single, whole[r : r + 1])
     yield "sign", "sign_decompress_sum", (whole, BLOCK, n, zeros(n)), {"divisor": 3}
+    yield from block_scaled_cases(n, randn, device)
 
     yield "exact", "topk_select", (randn(n), k, randn(n), True), {}
     yield "int64 indices", "topk_select", (randn(n), k, None, True), {"index_dtype": torch.int64}
