@@ -70,7 +70,7 @@ def _backends_agree_on_ranks(rank: int, world_size: int) -> None:
     results = {}
     for backend in ("torch", "cpu", "triton"):
         os.environ["GRADCOMP_BACKEND"] = backend
-        for name in ("int8", "int4", "topk", "randk", "sign"):
+        for name in ("int8", "int4", "topk", "randk", "sign", "mxfp8", "mxfp4", "nvfp4"):
             for algorithm in ("allgather", "two_phase", "dense"):
                 compressor = gradcomp.get_compressor(name)
                 try:
@@ -84,7 +84,7 @@ def _backends_agree_on_ranks(rank: int, world_size: int) -> None:
                         x, compressor, algorithm=algorithm, feedback=memory, name="t", step=step
                     )
                 results[backend, name, algorithm] = x
-        for name in ("int8", "topk"):
+        for name in ("int8", "topk", "mxfp8", "mxfp4", "nvfp4"):
             model = DDP(make_model(), bucket_cap_mb=0.02)
             register(model, name, min_numel=0)
             train(model, rank, world_size, 3)
