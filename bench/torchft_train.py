@@ -46,17 +46,28 @@ import threading
 import time
 
 import torch
-from lib import lm
-from lib.convergence_lm import LM_BATCH, LM_EVAL_BATCHES, LM_EVAL_EVERY, LM_LR, LM_MODEL, LM_TARGETS
+from lib import lm, torchft_diloco
+from lib.convergence_lm import (
+    LM_BATCH,
+    LM_EVAL_BATCHES,
+    LM_EVAL_EVERY,
+    LM_LR,
+    LM_MODEL,
+    LM_TARGETS,
+    initial_weights,
+)
 from lib.machine import machine
 from lib.options import add_output_options
 from lib.results import Results, publish
+from lib.torchft_diloco import emit, wait_for
 
 from gradcomp.collectives import ring_all_reduce_bytes
 from gradcomp.tables import format_table
 
 REPLICAS = 2
 DENSE, QUANTIZE = "torchft DDP (dense fp32)", "torchft should_quantize=True"
+DILOCO_KINDS = ("torchft_diloco", "diloco")
+TORCHFT_DILOCO = "torchft DiLoCo (fp32)"
 # A replica group gone is noticed by the lighthouse after this long without a heartbeat.
 HEARTBEAT_MS = 2000
 # Long enough that a quorum never forms while a live replica is still evaluating.
@@ -86,6 +97,33 @@ def options() -> argparse.ArgumentParser:
         default=3,
         help="steps torchft's quantized all-reduce is tried (0: not at all; default 3)",
     )
+    parser.add_argument(
+        "--init-steps",
+        type=int,
+        default=0,
+        help="every run starts from the weights of this many dense steps, convergence.py --task lm "
+        "--init-steps' start (default 0: from scratch)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=0,
+        help="H: runs torchft's DiLoCo and gradcomp's with an exchange every H inner steps (default 0: none)",
+    )
+    parser.add_argument(
+        "--diloco",
+        nargs="*",
+        default=["int4"],
+        help="gradcomp DiLoCo's compressors, each run with its defaults and with torchft's outer "
+        "step (follow_inner_lr=False, no total_steps) (default int4)",
+    )
+    parser.add_argument(
+        "--kill-diloco",
+        default="int4",
+        help="the gradcomp DiLoCo compressor run again with replica 1 killed inside the exchange "
+        "nearest --kill-at ('' for none; default int4)",
+    )
+    parser.add_argument("--suffix", default="", help="the end of the result files' names (default none)")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of text (default 2M)")
     parser.add_argument("--seed", type=int, default=0, help="model and batch seed (default 0)")
     parser.add_argument("--replica", help=argparse.SUPPRESS)  # a replica group's process
@@ -94,18 +132,6 @@ def options() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- a replica group
-
-
-def _wait_for(path: str | None, seconds: float = 300.0) -> None:
-    deadline = time.monotonic() + seconds
-    while path is not None and not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {seconds} s")
-        time.sleep(0.02)
-
-
-def _emit(**record) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def _weights_hash(module: torch.nn.Module) -> str:
@@ -131,21 +157,20 @@ def _quantized_ddp(manager, module: torch.nn.Module):
 
 
 def replica_main(config: dict) -> None:
-    """One replica group: train ``config['steps']`` committed steps, a JSON line a step."""
+    """One replica group: train ``config['steps']`` steps (committed steps, or DiLoCo's inner
+    steps), a JSON line a step (DiLoCo: an exchange), then a final line."""
     from torchft import Manager, ProcessGroupGloo
-    from torchft.ddp import DistributedDataParallel as TorchftDDP
-    from torchft.optim import OptimizerWrapper as TorchftOptimizer
-
-    from gradcomp.integrations import torchft as ft
 
     torch.set_num_threads(1)  # one core a replica
     began = time.perf_counter()
-    index, steps, kind = config["replica"], config["steps"], config["kind"]
+    index, steps = config["replica"], config["steps"]
     train, validation, _ = lm.load_corpus(config["corpus_bytes"])
     context = LM_MODEL["context"]
     order = torch.Generator().manual_seed(config["seed"])  # convergence.py --task lm's batches
     starts = [torch.randint(0, len(train) - context - 1, (LM_BATCH,), generator=order) for _ in range(steps)]
     net = lm.GPT(**LM_MODEL, seed=config["seed"])
+    if config.get("init"):  # --init-steps: the dense start every run shares
+        net.load_state_dict(torch.load(config["init"], weights_only=True))
     inner = torch.optim.AdamW(net.parameters(), lr=LM_LR, **lm.ADAMW)
     factor = lm.schedule(inner, steps, max(1, steps // 20)).lr_lambdas[0]
     heals = []
@@ -175,6 +200,62 @@ def replica_main(config: dict) -> None:
         timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=120),
     )
+
+    def forward_backward(model: torch.nn.Module, step: int) -> None:
+        """Step ``step``'s learning rate, and this replica's half of its windows."""
+        for group in inner.param_groups:
+            group["lr"] = LM_LR * factor(step)
+        inputs, targets = lm.windows(train, starts[step][index::REPLICAS], context)
+        lm.loss_of(model, inputs, targets).backward()
+
+    def evaluate() -> float:
+        return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, LM_BATCH)
+
+    curve = [(0, evaluate())]
+    emit(ready=index)
+    wait_for(config.get("gate"))
+    if config["kind"] in DILOCO_KINDS:
+        done = torchft_diloco.train(
+            config, manager, net, inner, lambda step: forward_backward(net, step), evaluate, heals
+        )
+        exchanges = done.pop("exchanges")
+        done.update(attempts=exchanges.commits + exchanges.discards, commits=exchanges.commits)
+        done.update(errors=[], trace=None)
+    else:
+        done = _train_ddp(config, manager, net, inner, forward_backward, evaluate, heals)
+    curve += done["curve"]
+    if curve[-1][0] != done["step"]:
+        curve.append((done["step"], evaluate()))
+    emit(
+        final=index,
+        step=done["step"],
+        attempts=done["attempts"],
+        commits=done["commits"],
+        discards=done["attempts"] - done["commits"],
+        heals=len(heals),
+        validation_loss=curve[-1][1],
+        curve=curve,
+        weights=_weights_hash(net),
+        parameters=sum(p.numel() for p in net.parameters()),
+        bytes_sent=done["bytes_sent"],
+        dense_bytes=done["dense_bytes"],
+        errors=done["errors"][:1],
+        error_trace=done["trace"],
+        seconds=time.perf_counter() - began,
+    )
+    manager.shutdown(wait=False)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _train_ddp(config, manager, net, inner, forward_backward, evaluate, heals) -> dict:
+    """The DDP runs: torchft's, gradcomp's, or torchft's asking for its quantized all-reduce."""
+    from torchft.ddp import DistributedDataParallel as TorchftDDP
+    from torchft.optim import OptimizerWrapper as TorchftOptimizer
+
+    from gradcomp.integrations import torchft as ft
+
+    steps, kind = config["steps"], config["kind"]
     compression = None
     if kind == "gradcomp":
         compression = ft.Compression(manager, config["spec"])
@@ -183,27 +264,17 @@ def replica_main(config: dict) -> None:
     else:
         model = _quantized_ddp(manager, net) if kind == "quantize" else TorchftDDP(manager, net)
         optimizer = TorchftOptimizer(manager, inner)
-
-    def evaluate() -> float:
-        return lm.validation_loss(net, validation, context, LM_EVAL_BATCHES, LM_BATCH)
-
-    curve = [(manager.current_step(), evaluate())]
-    _emit(ready=index)
-    _wait_for(config.get("gate"))
-    attempts, commits, errors, trace = 0, 0, [], None
+    attempts, commits, errors, trace, curve = 0, 0, [], None, []
     while manager.current_step() < steps and (kind != "quantize" or attempts < config["attempts"]):
         if manager.current_step() == config.get("hold_at"):
-            _wait_for(config["hold_gate"])
+            wait_for(config["hold_gate"])
         heals_before = len(heals)
         optimizer.zero_grad(set_to_none=True)  # the step's quorum; a heal lands here
         step = manager.current_step()
         if step == config.get("die_at"):
-            _emit(dying=step)
+            emit(dying=step)
             os._exit(1)
-        for group in inner.param_groups:
-            group["lr"] = LM_LR * factor(step)
-        inputs, targets = lm.windows(train, starts[step][index::REPLICAS], context)
-        lm.loss_of(model, inputs, targets).backward()
+        forward_backward(model, step)
         error = manager.errored()
         optimizer.step()
         attempts += 1
@@ -214,35 +285,23 @@ def replica_main(config: dict) -> None:
             trace = trace or error.stack_trace.strip().splitlines()[-12:]
         if committed and ((step + 1) % LM_EVAL_EVERY == 0 or step + 1 == steps):
             curve.append((step + 1, evaluate()))
-        _emit(
+        emit(
             step=step,
             committed=committed,
             participants=manager.num_participants(),
             healed=len(heals) > heals_before,
             error=errors[-1] if error is not None else None,
         )
-    if not commits or curve[-1][0] != manager.current_step():
-        curve.append((manager.current_step(), evaluate()))
-    _emit(
-        final=index,
+    return dict(
         step=manager.current_step(),
         attempts=attempts,
         commits=commits,
-        discards=attempts - commits,
-        heals=len(heals),
-        validation_loss=curve[-1][1],
         curve=curve,
-        weights=_weights_hash(net),
-        parameters=sum(p.numel() for p in net.parameters()),
         bytes_sent=compression.bytes_sent if compression else None,
         dense_bytes=compression.dense_bytes if compression else None,
-        errors=errors[:1],
-        error_trace=trace,
-        seconds=time.perf_counter() - began,
+        errors=errors,
+        trace=trace,
     )
-    manager.shutdown(wait=False)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -308,6 +367,10 @@ def run_one(run: dict, settings: dict, scratch: str) -> dict:
         corpus_bytes=settings["corpus_bytes"],
         seed=settings["seed"],
         attempts=settings["quantize_attempts"],
+        init=settings.get("init"),
+        sync_every=settings["sync_every"],
+        follow_inner_lr=run.get("follow_inner_lr", True),
+        average=run.get("average", True),
     )
     die_at = run.get("die_at")
     hold = dict(hold_at=die_at + settings["rejoin_after"], hold_gate=rejoined) if die_at is not None else {}
@@ -359,7 +422,11 @@ def _record(run: dict, finals: list[dict], steps: list[list[dict]], killed, seco
         error_trace=first["error_trace"],
     )
     dense_step = ring_all_reduce_bytes(4 * first["parameters"], REPLICAS)
-    if run["kind"] == "gradcomp":
+    if run["kind"] in DILOCO_KINDS:  # an inner step's share of the run's exchanges, against DDP's step
+        sent = first["bytes_sent"] if run["kind"] == "diloco" else first["attempts"] * dense_step
+        record["bytes_per_step"] = sent / first["step"]
+        record["dense_bytes_per_step"], record["ratio"] = dense_step, dense_step * first["step"] / sent
+    elif run["kind"] == "gradcomp":
         record["bytes_per_step"] = first["bytes_sent"] / max(1, first["commits"])
         record["dense_bytes_per_step"] = first["dense_bytes"] / max(1, first["commits"])
         record["ratio"] = first["dense_bytes"] / first["bytes_sent"]
@@ -393,6 +460,35 @@ def plan(args: argparse.Namespace) -> list[dict]:
         )
     if args.quantize_attempts:
         runs.append(dict(label=QUANTIZE, kind="quantize"))
+    return runs + diloco_plan(args)
+
+
+def diloco_plan(args: argparse.Namespace) -> list[dict]:
+    """--sync-every H: torchft's DiLoCo; gradcomp's, with its defaults and with torchft's outer
+    step; and one run again with replica 1 killed inside an exchange."""
+    every = args.sync_every
+    if not every:
+        return []
+    runs = [dict(label=f"{TORCHFT_DILOCO}, H = {every}", kind="torchft_diloco")]
+    for spec in args.diloco:
+        runs.append(dict(label=f"gradcomp DiLoCo {spec}, H = {every}", kind="diloco", spec=spec))
+        runs.append(
+            dict(
+                label=f"gradcomp DiLoCo {spec}, H = {every}, torchft's outer step",
+                kind="diloco",
+                spec=spec,
+                follow_inner_lr=False,
+                average=False,
+            )
+        )
+    if args.kill_diloco:
+        die_at = max(1, round(args.kill_at * args.steps / every)) * every
+        label = (
+            f"gradcomp DiLoCo {args.kill_diloco}, H = {every}, replica 1 killed in the exchange at "
+            f"step {die_at}, back {args.rejoin_after} steps later"
+        )
+        twin = f"gradcomp DiLoCo {args.kill_diloco}, H = {every}"
+        runs.append(dict(label=label, kind="diloco", spec=args.kill_diloco, die_at=die_at, twin=twin))
     return runs
 
 
@@ -404,6 +500,9 @@ def derive(records: list[dict], runs: list[dict]) -> list[str]:
     for run, record in zip(runs, records, strict=True):
         trained = record["committed"][0] > 0
         record["loss_vs_dense"] = record["validation_loss"] / dense - 1 if trained else None
+        reference = next((r for r in records if r["kind"] == "torchft_diloco"), None)
+        if run["kind"] == "diloco" and reference is not None:
+            record["loss_vs_torchft_diloco"] = record["validation_loss"] / reference["validation_loss"] - 1
         twin = by_label.get(run.get("twin"))
         if twin is None:
             continue
@@ -430,6 +529,7 @@ def table(records: list[dict]) -> str:
             "" if r["ratio"] is None else f"{r['ratio']:.2f}",
             f"{r['validation_loss']:.4f}",
             percent(r["loss_vs_dense"]),
+            percent(r.get("loss_vs_torchft_diloco")),
             percent(r.get("loss_vs_uninterrupted")),
             "yes" if r["weights_equal"] else "NO",
             f"{r['seconds']:.0f}",
@@ -437,7 +537,7 @@ def table(records: list[dict]) -> str:
         for r in records
     ]
     header = ["run", "committed", "discarded", "bytes/step", "x fewer", "val loss", "vs dense",
-              "vs uninterrupted", "same weights", "wall s"]  # fmt: skip
+              "vs torchft DiLoCo", "vs uninterrupted", "same weights", "wall s"]  # fmt: skip
     return format_table(header, rows, left=(0,))
 
 
@@ -448,14 +548,29 @@ def main() -> int:
         return 0
     if args.steps < 2 or not 0 < args.kill_at < 1 or args.rejoin_after < 1:
         options().error("need --steps >= 2, 0 < --kill-at < 1 and --rejoin-after >= 1")
+    if not 0 <= args.sync_every <= args.steps or args.init_steps < 0:
+        options().error("need 0 <= --sync-every <= --steps and --init-steps >= 0")
     runs = plan(args)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "replica")}
     settings["model"] = LM_MODEL
     facts = machine(REPLICAS, "gloo")
-    results = Results("torchft_train", facts, settings, directory=args.out)
+    results = Results("torchft_train", facts, settings, directory=args.out, suffix=args.suffix)
     print(facts["machine"], "| replica groups:", REPLICAS)
-    records = []
+    records, start = [], None
     with tempfile.TemporaryDirectory(prefix="gradcomp-torchft-") as scratch:
+        if args.init_steps:
+            # convergence.py --task lm --init-steps' start: torch's DDP on 2 Gloo ranks, a
+            # schedule and an order of windows of its own
+            lm_settings = dict(corpus_bytes=args.corpus_bytes, seed=args.seed, dense_steps=0, lr=LM_LR)
+            start = initial_weights(
+                argparse.Namespace(init_steps=args.init_steps, spawn=REPLICAS),
+                dict(lm_settings, model=LM_MODEL),
+            )
+            os.replace(start.pop("path"), os.path.join(scratch, "start.pt"))
+            settings["init"] = os.path.join(scratch, "start.pt")
+            print(
+                f"start: {args.init_steps} dense steps, val loss {start['validation_loss']:.4f}", flush=True
+            )
         for run in runs:
             record = run_one(run, settings, scratch)
             records.append(record)
@@ -465,6 +580,7 @@ def main() -> int:
                 + (f", error: {record['errors'][0][:200]}" if record["errors"] else ""),
                 flush=True,
             )
+    settings.pop("init", None)  # a temporary file's path
     verdicts = derive(records, runs)
     print(
         f"byte-level GPT {LM_MODEL}, {records[0]['parameters']:,} parameters, {args.steps} steps of "
@@ -475,7 +591,7 @@ def main() -> int:
     for line in verdicts:
         print(line)
     curves = {record["run"]: record.pop("curve") for record in records}
-    publish(results, records, extra=dict(curves=curves, verdicts=verdicts))
+    publish(results, records, extra=dict(curves=curves, verdicts=verdicts, start=start))
     return 0
 
 
