@@ -18,7 +18,12 @@ trains on the step it joins at. The runs:
   0 waits for ``--rejoin-after`` steps later; it heals from replica 0;
 * ``torchft should_quantize=True``: torchft's DDP hook asking ``Manager.allreduce``
   for its quantized all-reduce, tried for ``--quantize-attempts`` steps (it needs an
-  accelerator; the Manager reports the error and discards the step).
+  accelerator; the Manager reports the error and discards the step);
+* ``--sync-every H``: torchft's own DiLoCo (fp32), gradcomp's DiLoCo through
+  ``manager=`` for each ``--diloco`` compressor (its defaults, and torchft's outer step),
+  and ``--kill-diloco``'s run again with replica 1 killed inside the exchange nearest
+  ``--kill-at`` (:mod:`lib.torchft_diloco`); ``--init-steps N`` starts every run from N
+  dense steps (``convergence.py --task lm --init-steps``' start).
 
 Reported per run: the final validation loss (replica 0's; every replica's weights
 are compared bit for bit) against the torchft DDP run's and, for the killed run,
@@ -30,6 +35,8 @@ discarded on each replica; the run's wall time.
 Examples:
     python bench/torchft_train.py
     python bench/torchft_train.py --steps 300 --compressors int8 int4 --kill int8
+    python bench/torchft_train.py --init-steps 600 --compressors --kill '' --quantize-attempts 0 \
+        --sync-every 75 --suffix=-diloco
 """
 
 from __future__ import annotations
