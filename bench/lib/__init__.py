@@ -13,4 +13,6 @@
   :mod:`lib.ddp_sweep`: ``ddp_train.py``'s runs, their schedule on the ranks, their
   table and predictions, and the sweep over links;
 * :mod:`lib.convergence_lm`, :mod:`lib.lm`: ``convergence.py --task lm`` and its model.
+* :mod:`lib.torchft_diloco`, :mod:`lib.torchft_runs`: ``torchft_train.py``'s DiLoCo loop and its
+  replica groups (their process, and the driver with its lighthouse).
 """
