@@ -18,7 +18,6 @@ end the weights go to OUT (``torch.save``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -26,7 +25,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +49,7 @@ def wait_for(path: str | None, seconds: float = 120.0) -> None:
 
 
 def main() -> None:
-    from torchft import Manager, ProcessGroupGloo
+    from torchft_setup import replica_group_manager  # beside this script, which runs as one
 
     from gradcomp.integrations.torchft import Compression, DistributedDataParallel, OptimizerWrapper
 
@@ -82,22 +80,8 @@ def main() -> None:
     def save() -> dict:
         return {"model": module.state_dict(), "optim": inner.state_dict()}
 
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=10)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load,
-        state_dict=save,
-        min_replica_size=2,
-        use_async_quorum=args.async_quorum,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=30),
+    manager = replica_group_manager(
+        args.lighthouse, f"replica_{args.replica}", load, save, 2, args.async_quorum
     )
     if args.diloco:
         diloco(args, manager, module, inner, heals)
