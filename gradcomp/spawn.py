@@ -41,6 +41,8 @@ def free_port() -> int:
 def _entry(rank, world_size, address, port, setup, group_timeout, threads, result_path, body, args) -> None:
     # A rank still running at the deadline is sent SIGUSR1 first: its threads' stacks go to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # And one that aborts (a C++ terminate, a segfault) says where each of its threads was.
+    faulthandler.enable(all_threads=True)
     if setup is not None:
         setup(rank, world_size)  # first: threads started later inherit what it sets
     torch.set_num_threads(threads)
