@@ -132,6 +132,7 @@ def _refusals(rank: int, world: int, folder: str) -> None:
     first = os.path.join(folder, "gradcomp_rank0.pt")
     whole = open(first, "rb").read()
     record = torch.load(first, weights_only=True)
+    dist.barrier()  # every rank has read rank 0's file before rank 0 changes it below
     marker = os.path.join(folder, "code_ran")
 
     def damaged(change) -> bytes:

@@ -130,7 +130,7 @@ def test_sign_kernels_divide_as_the_reference_does_on_sm90():
 def test_block_scaled_kernels_compile_for_sm80_and_sm90_and_round_as_the_reference():
     # Their bits equal the reference's only without fused multiply-adds, flushed subnormals
     # (an E8M0 scale of 2**-127 is one) or approximate divisions (NVFP4's scales).
-    launchers = ("block_scaled", "block_scaled_decode", "block_scaled_rows")
+    launchers = ("block_scaled", "block_scaled_nvfp4", "block_scaled_decode", "block_scaled_rows")
     _, records = compile_records((80, 90), only=launchers)
     check_compiled(records)
     kernels = {r["kernel"] for r in records if not r["case"].startswith("control")}
