@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -99,16 +100,16 @@ def test_a_skipped_register_is_warned_of_then_named_in_time():
     assert "did not call it" in result["error"], result
 
 
-def _continue_once_stopped(pid: int, limit: float = 30.0) -> None:
-    """SIGCONT ``pid`` once it is stopped: sent before its SIGSTOP (a loaded machine may
-    run rank 1's job late), the SIGCONT would be lost and rank 1 stopped for good."""
+def _continue_until_it_goes_on(store, pid: int, limit: float = 30.0) -> None:
+    """SIGCONT ``pid`` whenever it is stopped, until it says (``continued`` in the store) that it
+    went on: a SIGCONT sent before its SIGSTOP (a loaded machine may run rank 1's job late)
+    would be lost, and rank 1 stopped for good."""
     deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not store.check(["continued"]):
         with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
-                break
+            if stat.read().rsplit(")", 1)[1].split()[0] in "Tt":
+                os.kill(pid, signal.SIGCONT)
         time.sleep(0.01)
-    os.kill(pid, signal.SIGCONT)
 
 
 def _stopped_in_a_job(rank: int, world_size: int) -> dict:
@@ -121,7 +122,10 @@ def _stopped_in_a_job(rank: int, world_size: int) -> dict:
 
     def gather():
         if rank == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # To this thread: it stops before the call returns (a signal to the process may be
+            # taken by another thread, and this one run on for a moment: past the line below).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            store.set("continued", "1")
         worker.all_gather_async(everyone, mine, q.group).wait()
 
     with _warnings_logged() as warned:
@@ -131,7 +135,7 @@ def _stopped_in_a_job(rank: int, world_size: int) -> dict:
         except RuntimeError as error:
             seconds = time.monotonic() - began
             if rank == 0:  # rank 1 fails here too, once it goes on
-                _continue_once_stopped(int(store.get("pid/1")))
+                _continue_until_it_goes_on(store, int(store.get("pid/1")))
             return dict(error=str(error), kind=type(error).__name__, seconds=seconds, warned=warned)
     return {}
 
